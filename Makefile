@@ -1,0 +1,29 @@
+PYTHON ?= python3
+# On a machine without CUDA, install the local CPU build of torch; never an unpinned torch.
+HAS_CUDA := $(shell $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && echo 1)
+
+.PHONY: install install-test demo test test-gpu bench capture
+
+install:
+ifneq ($(HAS_CUDA),1)
+	$(PYTHON) -m pip install -q "torch==2.13.0"
+endif
+	$(PYTHON) -m pip install -q --no-deps -e .
+	$(PYTHON) -m pip install -q "safetensors>=0.4" numpy tqdm
+
+install-test: install
+	$(PYTHON) -m pip install -q pytest hypothesis "transformers>=4.45" tokenizers
+
+demo: install
+	$(PYTHON) tools/demo.py
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+# On the GPU machine: its torch/triton/transformers are already there.
+test-gpu:
+	$(PYTHON) -m pip install -q --no-deps -e .
+	$(PYTHON) -m pytest -q -m gpu
+
+bench:
+	$(PYTHON) tools/bench.py all

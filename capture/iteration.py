@@ -1,0 +1,66 @@
+"""The decode iteration: forward one token per row, sample, advance the state. Everything reads
+and writes DecodeState, so one call can be captured as a CUDA graph and replayed with no host
+input while the batch is unchanged."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.llama import AttentionInputs, KVCache, LlamaModel
+from .state import DecodeState
+
+
+def slot_mapping(state: DecodeState, bucket: int, block_size: int) -> torch.Tensor:
+    pos = state.positions[:bucket]
+    col = pos // block_size
+    block = state.block_tables[:bucket].gather(1, col[:, None]).squeeze(1).long()
+    return block * block_size + pos % block_size
+
+
+@dataclass
+class SampleOut:
+    tokens: torch.Tensor  # [n]
+    logprob: torch.Tensor | None = None  # [n] chosen token's logprob
+    top_logprobs: torch.Tensor | None = None  # [n, 20]
+    top_ids: torch.Tensor | None = None  # [n, 20]
+
+
+def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slice,
+                logits: torch.Tensor, with_logprobs: bool) -> SampleOut:
+    """Samples one token for each of `rows` (a slice for decode, an index tensor for prefill)
+    with the sampling parameters and RNG counters those rows hold."""
+    ops = model.ops
+    steps = state.steps[rows]
+    masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps < state.min_tokens[rows])
+    tokens = ops.sample(masked, state.temperature[rows], state.top_k[rows], state.top_p[rows],
+                        state.seeds[rows], steps)
+    if not with_logprobs:
+        return SampleOut(tokens)
+    chosen, top_vals, top_ids = ops.logprobs(logits, tokens, state.out_top_ids.shape[1])
+    return SampleOut(tokens, chosen, top_vals, top_ids)
+
+
+def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket: int,
+                     block_size: int, with_logprobs: bool) -> None:
+    rows = slice(0, bucket)
+    attn = AttentionInputs(
+        slot_mapping=slot_mapping(state, bucket, block_size),
+        block_tables=state.block_tables[rows],
+        seq_lens=(state.positions[rows] + 1).to(torch.int32),
+        cu_seqlens_q=None,
+    )
+    hidden = model.forward(state.input_ids[rows], state.positions[rows], attn, kv)
+    logits = model.compute_logits(hidden)
+    out = sample_rows(model, state, rows, logits, with_logprobs)
+    tokens = out.tokens
+    state.out_tokens[rows] = tokens
+    if with_logprobs:
+        state.out_logprob[rows] = out.logprob
+        state.out_top_logprobs[rows] = out.top_logprobs
+        state.out_top_ids[rows] = out.top_ids
+    # Advance live rows only; padding rows stay inert (position 0, scratch block).
+    live = (torch.arange(bucket, device=state.device) < state.num_rows).long()
+    state.input_ids[rows] = tokens * live
+    state.positions[rows] += live
+    state.steps[rows] += live

@@ -1,0 +1,69 @@
+"""Pinned host staging for host<->device copies that never stall the stream and never race.
+
+A non-blocking H2D copy reads its pinned source when the stream gets to it, not when it is
+enqueued. Rewriting the source before then corrupts the copy (the race of vLLM #24799). So
+sources come from a ring of slots, and a slot is rewritten only after the event recorded behind
+its last copy has fired. The same holds for D2H: the host reads a slot only after its event.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Slot:
+    ints: torch.Tensor
+    floats: torch.Tensor
+    event: object | None = None  # torch.cuda.Event once used on CUDA
+
+
+@dataclass
+class RingStats:
+    copies: int = 0
+    waits: int = 0  # times a slot was still in flight when needed (should stay 0)
+
+
+class H2DRing:
+    def __init__(self, device: torch.device, num_slots: int = 4, capacity: int = 4096):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.num_slots = num_slots
+        self.stats = RingStats()
+        self._slots = [self._new_slot(capacity) for _ in range(num_slots)]
+        self._next = 0
+
+    def _new_slot(self, capacity: int) -> _Slot:
+        return _Slot(torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda),
+                     torch.empty(capacity, dtype=torch.float32, pin_memory=self.cuda))
+
+    def put(self, ints: list[int], floats: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Enqueues the copy of both lists to the device; returns the device tensors."""
+        if not self.cuda:
+            return (torch.tensor(ints, dtype=torch.int64, device=self.device),
+                    torch.tensor(floats, dtype=torch.float32, device=self.device))
+        i = self._next
+        self._next = (i + 1) % self.num_slots
+        slot = self._slots[i]
+        if slot.event is not None and not slot.event.query():
+            self.stats.waits += 1
+            slot.event.synchronize()
+        need = max(len(ints), len(floats))
+        if need > slot.ints.numel():
+            slot = self._slots[i] = self._new_slot(max(need, 2 * slot.ints.numel()))
+        hi = slot.ints[:len(ints)]
+        hf = slot.floats[:len(floats)]
+        hi.copy_(torch.tensor(ints, dtype=torch.int64))
+        hf.copy_(torch.tensor(floats, dtype=torch.float32))
+        di = hi.to(self.device, non_blocking=True)
+        df = hf.to(self.device, non_blocking=True)
+        if slot.event is None:
+            slot.event = torch.cuda.Event()
+        slot.event.record()
+        self.stats.copies += 1
+        return di, df
+
+    def slot_buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pinned buffers of slot i (tests inspect and rewrite them)."""
+        return self._slots[i].ints, self._slots[i].floats

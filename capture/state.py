@@ -1,0 +1,124 @@
+"""DecodeState: the device-resident state of the running batch, in static buffers.
+
+Row i of every buffer belongs to the request in row i of the host's running list. Buffers have
+max_rows + 1 rows: the last one is the inert row (token 0, position 0, every block-table entry the
+scratch block), copied into every row that holds no request, so padding rows in a bucket write
+their K/V into the scratch block and never into a live one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_STOP_IDS = 16  # ids masked on the device while a row is below min_tokens
+
+
+@dataclass
+class NewRow:
+    """A request entering the batch: its sampling parameters. Token, position and step are
+    written by the prefill that admits it."""
+
+    row: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    min_tokens: int
+    stop_ids: list[int]
+
+
+@dataclass
+class StepDelta:
+    """What changes in the batch before a step launches. Empty when nothing changed."""
+
+    num_rows: int
+    row_map: list[int] | None = None  # new row i takes old row row_map[i]; None: no compaction
+    new_rows: list[NewRow] = field(default_factory=list)
+    block_entries: list[tuple[int, int, int]] = field(default_factory=list)  # (row, col, block)
+
+    def is_empty(self, prev_num_rows: int) -> bool:
+        return (self.row_map is None and not self.new_rows and not self.block_entries
+                and self.num_rows == prev_num_rows)
+
+
+class DecodeState:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
+                 scratch_block: int, device: torch.device, num_logprobs: int = 20):
+        self.max_rows = max_rows
+        self.inert_row = max_rows
+        self.scratch_block = scratch_block
+        # One column past the context limit stays on the scratch block: a row that finished at
+        # the limit still runs in the step that was launched before the host saw it finish.
+        self.max_cols = max_blocks_per_seq + 1
+        self.device = device
+        r = max_rows + 1
+        i64 = dict(device=device, dtype=torch.int64)
+        self.input_ids = torch.zeros(r, **i64)
+        self.positions = torch.zeros(r, **i64)  # position the next forward writes; seq_len = +1
+        self.steps = torch.zeros(r, **i64)  # index of the output token the next sample draws
+        self.seeds = torch.zeros(r, **i64)
+        self.min_tokens = torch.zeros(r, **i64)
+        self.top_k = torch.zeros(r, **i64)
+        self.temperature = torch.zeros(r, device=device, dtype=torch.float32)
+        self.top_p = torch.ones(r, device=device, dtype=torch.float32)
+        self.stop_ids = torch.full((r, MAX_STOP_IDS), -1, **i64)
+        self.block_tables = torch.full((r, self.max_cols), scratch_block, device=device,
+                                       dtype=torch.int32)
+        self.num_rows = torch.zeros(1, **i64)  # rows holding a request; read inside graphs
+        # Outputs of the last step, read back by the host one step later.
+        self.out_tokens = torch.zeros(r, **i64)
+        self.out_logprob = torch.zeros(r, device=device, dtype=torch.float32)
+        self.out_top_logprobs = torch.zeros(r, num_logprobs, device=device, dtype=torch.float32)
+        self.out_top_ids = torch.zeros(r, num_logprobs, **i64)
+        self._row_fields = [self.input_ids, self.positions, self.steps, self.seeds,
+                            self.min_tokens, self.top_k, self.temperature, self.top_p,
+                            self.stop_ids, self.block_tables]
+
+    def apply_delta(self, delta: StepDelta, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        """Applies a delta whose numbers were packed by `pack_delta` and already copied to the
+        device as `ints` and `floats`. Host-known sizes slice them; nothing is read back."""
+        o = 0
+        if delta.row_map is not None:
+            gather = ints[o:o + self.max_rows + 1]
+            o += self.max_rows + 1
+            for buf in self._row_fields:
+                buf.copy_(buf.index_select(0, gather))
+        n_new = len(delta.new_rows)
+        if n_new:
+            rows = ints[o:o + n_new]
+            cols = ints[o + n_new:o + (4 + MAX_STOP_IDS) * n_new].view(3 + MAX_STOP_IDS, n_new)
+            o += (4 + MAX_STOP_IDS) * n_new
+            self.seeds[rows] = cols[0]
+            self.min_tokens[rows] = cols[1]
+            self.top_k[rows] = cols[2]
+            self.stop_ids[rows] = cols[3:].t()
+            self.temperature[rows] = floats[:n_new]
+            self.top_p[rows] = floats[n_new:2 * n_new]
+        n_ent = len(delta.block_entries)
+        if n_ent:
+            e = ints[o:o + 3 * n_ent].view(3, n_ent)
+            o += 3 * n_ent
+            self.block_tables[e[0], e[1]] = e[2].to(torch.int32)
+        self.num_rows.copy_(ints[o:o + 1])
+
+
+def pack_delta(delta: StepDelta, max_rows: int) -> tuple[list[int], list[float]]:
+    """Flattens a delta into one int list and one float list (one H2D copy each)."""
+    ints: list[int] = []
+    if delta.row_map is not None:
+        gather = list(delta.row_map) + [max_rows] * (max_rows + 1 - len(delta.row_map))
+        ints += gather
+    rows = delta.new_rows
+    if rows:
+        ints += [r.row for r in rows]
+        ints += [r.seed for r in rows]
+        ints += [r.min_tokens for r in rows]
+        ints += [r.top_k for r in rows]
+        for j in range(MAX_STOP_IDS):
+            ints += [r.stop_ids[j] if j < len(r.stop_ids) else -1 for r in rows]
+    for name_idx in range(3):
+        ints += [e[name_idx] for e in delta.block_entries]
+    ints.append(delta.num_rows)
+    floats = [r.temperature for r in rows] + [r.top_p for r in rows]
+    return ints, floats

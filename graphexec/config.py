@@ -1,0 +1,90 @@
+"""EngineConfig: every option of LLM and Engine, validated in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32}
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    out = [b for b in DEFAULT_BUCKETS if b < max_batch]
+    b = 96
+    while b < max_batch:
+        out.append(b)
+        b += 32
+    return out + [max_batch]
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: torch.dtype | str | None = None  # default: bf16 on CUDA, fp32 on CPU
+    device: str | torch.device | None = None  # default: cuda when available
+    max_batch: int = 64
+    max_model_len: int | None = None  # default: the model's, capped at 4096
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; alternative to num_kv_blocks
+    block_size: int = 16
+    seed: int = 0
+    max_prefill_tokens: int = 8192
+    buckets: list[int] | None = None
+    async_scheduling: bool | None = None  # default: on
+    cuda_graphs: bool | None = None  # default: on with CUDA
+    use_triton: bool | None = None  # default: on with CUDA
+    manifest: str | None = None
+
+    def __post_init__(self) -> None:
+        dev = self.device if self.device is not None else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            self.device = torch.device(dev)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={dev!r} is not a valid torch device") from e
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={dev!r}: CUDA is not available on this machine")
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        elif isinstance(self.dtype, str):
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+            self.dtype = _DTYPES[self.dtype]
+        elif self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype={self.dtype!r} must be bfloat16, float16 or float32")
+        for name in ("max_batch", "block_size", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_batch > 4096:
+            raise ValueError(f"max_batch={self.max_batch} is larger than 4096")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory, not both "
+                             f"(got {self.num_kv_blocks!r} and {self.kv_cache_memory!r})")
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.buckets is None:
+            self.buckets = default_buckets(self.max_batch)
+        else:
+            bad = [b for b in self.buckets if not isinstance(b, int) or b < 1]
+            if bad:
+                raise ValueError(f"buckets must be positive integers, got {self.buckets!r}")
+            self.buckets = sorted(set(b for b in self.buckets if b <= self.max_batch)
+                                  | {self.max_batch})
+        if self.async_scheduling is None:
+            self.async_scheduling = True
+        cuda = self.device.type == "cuda"
+        if self.cuda_graphs is None:
+            self.cuda_graphs = cuda
+        elif self.cuda_graphs and not cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device}")
+        if self.use_triton is None:
+            self.use_triton = cuda
+        elif self.use_triton and not cuda:
+            raise ValueError(f"use_triton=True needs a CUDA device, got device={self.device}")

@@ -1,0 +1,235 @@
+"""Engine: the host loop. Each step: plan, launch, reconcile.
+
+Async mode keeps one step in flight: step n is launched before the results of step n-1 are read,
+so the GPU always has the next iteration queued while the host appends tokens, checks stop
+conditions and emits outputs. Sync mode runs the same code and reads each step's results right
+after launching it; it is the oracle async mode must equal token for token.
+"""
+from __future__ import annotations
+
+import os
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .model import KVCache, LlamaModel, ModelConfig, load_weights, preset, random_weights
+from .outputs import RequestOutput
+from .request import Request, Status
+from .runner import Launched, ModelRunner
+from .sampling_params import MAX_SEED, SamplingParams
+from .scheduler import Plan, Scheduler
+from .tokenizer import load_tokenizer
+from .kernels import select_ops
+
+
+@dataclass
+class _InFlight:
+    plan: Plan
+    launched: Launched
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0
+    # Launches that found nothing in flight although requests were running: the host drained
+    # the chain before launching. Async mode keeps this at 0 while there is work.
+    chain_breaks: int = 0
+
+
+class Engine:
+    def __init__(self, model: str, **options):
+        self.config = cfg = EngineConfig(model=model, **options)
+        self.model_config, weights, self.tokenizer = _load_model(cfg)
+        mc = self.model_config
+        max_len = cfg.max_model_len or min(mc.max_position_embeddings, 4096)
+        if mc.sliding_window is not None:
+            max_len = min(max_len, mc.sliding_window)  # no windowed attention: stay inside it
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        self.max_model_len = max_len
+        num_blocks = _num_kv_blocks(cfg, mc, max_len)
+        self.kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
+        ops = select_ops(cfg.device, cfg.use_triton)
+        self.model = LlamaModel(mc, weights, ops, max_positions=max_len + 1)
+        self.pool = BlockPool(num_blocks)
+        self.runner = ModelRunner(self.model, self.kv, cfg.max_batch, max_len, cfg.block_size,
+                                  scratch_block=num_blocks)
+        self.scheduler = Scheduler(self.pool, cfg.block_size, cfg.max_batch, cfg.buckets,
+                                   cfg.max_prefill_tokens)
+        if cfg.cuda_graphs:
+            from .capture.graphs import GraphSet
+
+            self.runner.graphs = GraphSet.capture(self.runner, cfg.buckets)
+        self.requests: dict[str, Request] = {}
+        self.in_flight: deque[_InFlight] = deque()
+        self.stats = EngineStats()
+        self._rng = random.Random(cfg.seed)
+        self._arrivals = 0
+        self._step_id = 0
+        self._aborted: list[Request] = []
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | str,
+                    params: SamplingParams | None = None) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._validate_prompt(request_id, prompt_token_ids)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+        if params.min_tokens and len(stop_ids) > 16:
+            raise ValueError(f"stop_token_ids: with min_tokens > 0 at most 16 stop ids (EOS "
+                             f"included) can be suppressed, got {len(stop_ids)}")
+        seed = params.seed if params.seed is not None else self._rng.randint(0, MAX_SEED)
+        self._arrivals += 1
+        req = Request(request_id=request_id, prompt=prompt, params=params,
+                      arrival=self._arrivals, seed=seed, stop_ids=stop_ids,
+                      max_len=self.max_model_len,
+                      logprobs=[] if params.logprobs is not None else None)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate_prompt(self, request_id: str, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt for {request_id!r} is a string but the model has no "
+                                 "tokenizer.json: pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt_token_ids for {request_id!r} must be a list of ints")
+        if not prompt:
+            raise ValueError(f"prompt_token_ids for {request_id!r} is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids for {request_id!r} holds token id {bad}, "
+                             f"outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids for {request_id!r} has {len(prompt)} tokens; "
+                             f"max_model_len={self.max_model_len} leaves no room to generate")
+        need = self.scheduler.blocks_for(len(prompt) + 1)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"prompt_token_ids for {request_id!r} has {len(prompt)} tokens, "
+                             f"more than the KV cache holds ({self.pool.num_blocks} blocks)")
+        return list(prompt)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            raise ValueError(f"request_id={request_id!r} is not a running or waiting request")
+        if req.status is Status.WAITING:
+            self.scheduler.remove_waiting(req)
+        req.finish("abort")
+        self.scheduler.release(req)  # a running row leaves the batch at the next plan
+        self._aborted.append(req)
+
+    def has_unfinished(self) -> bool:
+        return (any(not r.finished for r in self.requests.values()) or bool(self.in_flight)
+                or bool(self._aborted))
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
+        self._aborted = []
+        plan = self.scheduler.schedule(self._step_id)
+        if not plan.empty:
+            self._launch(plan)
+        depth = 1 if self.config.async_scheduling and not plan.empty else 0
+        while len(self.in_flight) > depth:
+            for req in self._reconcile(self.in_flight.popleft()):
+                touched[req.request_id] = req
+        outputs = [r.take_output() for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                self.requests.pop(r.request_id, None)
+        return outputs
+
+    def _launch(self, plan: Plan) -> None:
+        if not self.in_flight and self.stats.steps and self.config.async_scheduling:
+            self.stats.chain_breaks += 1
+        launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.with_logprobs)
+        for req in plan.prefill_requests:
+            req.in_flight += 1
+        for req in plan.rows:
+            req.in_flight += 1
+            req.last_launched_step = plan.step_id
+        self.in_flight.append(_InFlight(plan, launched))
+        self._step_id += 1
+        self.stats.steps += 1
+
+    def _reconcile(self, step: _InFlight) -> list[Request]:
+        """Reads step's tokens and applies them. A row that finished earlier also ran in this
+        step (it was launched before the host knew): its token is dropped here."""
+        res = self.runner.fetch(step.launched)
+        touched = []
+        pairs = list(zip(step.plan.prefill_requests, res.prefill)) + list(
+            zip(step.plan.rows, res.decode))
+        for req, (token, logprob) in pairs:
+            req.in_flight -= 1
+            if req.finished:
+                continue
+            if logprob is not None and req.params.logprobs is not None:
+                logprob.top = dict(list(logprob.top.items())[:req.params.logprobs])
+            req.append(token, logprob)
+            self.stats.tokens += 1
+            touched.append(req)
+            if req.finished:
+                self.scheduler.release(req)
+        self.scheduler.retire(step.plan.step_id)
+        return touched
+
+
+def _load_model(cfg: EngineConfig):
+    if os.path.isdir(cfg.model):
+        mc = ModelConfig.from_dir(cfg.model)
+        weights = load_weights(cfg.model, mc, cfg.device, cfg.dtype)
+        return mc, weights, load_tokenizer(cfg.model)
+    mc = preset(cfg.model)
+    return mc, random_weights(mc, cfg.device, cfg.dtype, seed=cfg.seed), None
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+def _num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, max_len: int) -> int:
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
+    if cfg.kv_cache_memory is not None:
+        n = cfg.kv_cache_memory // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} bytes holds no block "
+                             f"({per_block} bytes each)")
+        return n
+    full = cfg.max_batch * -(-max_len // cfg.block_size)  # every row at the context limit
+    if cfg.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(cfg.device)
+        budget = int(free * 0.6)
+    else:
+        budget = 2 << 30
+    return max(1, min(full, budget // per_block))
+
+
+def _allocate_kv(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> KVCache:
+    shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+    kv = KVCache()
+    for _ in range(mc.num_layers):
+        kv.k.append(torch.zeros(shape, dtype=dtype, device=device))
+        kv.v.append(torch.zeros(shape, dtype=dtype, device=device))
+    return kv

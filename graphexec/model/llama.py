@@ -1,0 +1,121 @@
+"""One forward for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3).
+
+The forward is a pure function of its inputs: token ids, positions and the attention metadata
+are passed in, the KV cache is written through the slot mapping. No per-step globals, so the same
+call serves eager prefill, eager decode and a captured CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import Ops
+from ..kernels.rope import rope_cos_sin
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]: q, k, v projections stacked
+    o: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the same tensor as embed when embeddings are tied
+
+
+@dataclass
+class AttentionInputs:
+    """What attention needs for one forward. Decode: one token per row, cu_seqlens_q is None.
+    Prefill: a packed varlen batch described by cu_seqlens_q."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot each new token's K/V goes to
+    block_tables: torch.Tensor  # [rows, max_blocks]
+    seq_lens: torch.Tensor  # [rows] keys each row attends to (new tokens included)
+    cu_seqlens_q: torch.Tensor | None = None  # [rows + 1], prefill only
+
+
+@dataclass
+class KVCache:
+    k: list[torch.Tensor] = field(default_factory=list)  # per layer [blocks, block_size, Hk, D]
+    v: list[torch.Tensor] = field(default_factory=list)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: Ops,
+                 max_positions: int):
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+        device = weights.embed.device
+        self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
+                                          config.rope_scaling, device=device)
+        self.scale = config.head_dim ** -0.5
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                kv: KVCache) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
+        cfg, ops, w = self.config, self.ops, self.weights
+        h = F.embedding(input_ids, w.embed)
+        residual = None
+        for i, layer in enumerate(w.layers):
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
+            h = self._attention(x, positions, attn, layer, kv.k[i], kv.v[i])
+            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
+            h = self._mlp(x, layer)
+        x, _ = ops.add_rms_norm(h, residual, w.norm, cfg.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _attention(self, x, positions, attn: AttentionInputs, layer: LayerWeights,
+                   k_cache, v_cache) -> torch.Tensor:
+        cfg, ops = self.config, self.ops
+        t = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = ops.apply_rope(q, k, positions, self.cos, self.sin)
+        ops.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        if attn.cu_seqlens_q is None:
+            o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                     self.scale)
+        else:
+            o = ops.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                      attn.block_tables, self.scale)
+        return F.linear(o.reshape(t, cfg.q_size), layer.o)
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)

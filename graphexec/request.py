@@ -1,0 +1,73 @@
+"""One request's host-side state. The scheduler and the reconciler read and write it; no tensors."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .outputs import RequestOutput, TokenLogprob
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not in the batch: new, or evicted and waiting to recompute
+    RUNNING = "running"  # owns a row of the decode state
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int  # admission order key; a larger value arrived later
+    seed: int  # effective seed: the user's, or one drawn from the engine's generator
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    max_len: int  # prompt + output may not exceed this (context limit)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    blocks: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # Tokens the device has been asked to produce for this request and whose results the host
+    # has not read yet. Positions advance by one per launched step whatever the token turns out
+    # to be, so the host can reserve KV blocks ahead without knowing the tokens.
+    in_flight: int = 0
+    last_launched_step: int = -1
+    new_tokens: list[int] = field(default_factory=list)  # added since the last output
+    num_evictions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int, logprob: TokenLogprob | None) -> None:
+        """Adds one sampled token and decides whether the request is done."""
+        self.output.append(token)
+        self.new_tokens.append(token)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        n = len(self.output)
+        if token in self.stop_ids and n >= self.params.min_tokens:
+            self.finish("stop")
+        elif n >= self.params.max_tokens or self.num_tokens >= self.max_len:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def take_output(self) -> RequestOutput:
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            token_ids=list(self.output),
+            new_token_ids=self.new_tokens,
+            finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+        self.new_tokens = []
+        return out

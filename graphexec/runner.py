@@ -1,0 +1,172 @@
+"""ModelRunner: tensors in, tokens out. It owns the model, the KV cache and the DecodeState, and
+launches steps; it decides nothing about which request runs (that is the scheduler's job)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .capture.iteration import decode_iteration, sample_rows
+from .capture.staging import H2DRing
+from .capture.state import DecodeState, StepDelta, pack_delta
+from .model import AttentionInputs, KVCache, LlamaModel
+from .outputs import TokenLogprob
+
+
+@dataclass
+class PrefillRow:
+    row: int
+    token_ids: list[int]  # prompt + tokens generated before an eviction
+    blocks: list[int]
+    step: int  # index of the output token this prefill samples
+
+
+@dataclass
+class _D2HSlot:
+    tokens: torch.Tensor
+    logprob: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    event: object | None = None
+
+
+@dataclass
+class Launched:
+    """A step on the device whose results the host has not read yet."""
+
+    slot: int
+    num_prefill: int
+    num_decode: int
+    with_logprobs: bool
+
+
+@dataclass
+class StepTokens:
+    prefill: list[tuple[int, TokenLogprob | None]]  # one per PrefillRow, in launch order
+    decode: list[tuple[int, TokenLogprob | None]]  # one per row 0..num_decode-1
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache, max_rows: int, max_model_len: int,
+                 block_size: int, scratch_block: int, d2h_slots: int = 4):
+        self.model, self.kv = model, kv
+        self.device = model.device
+        self.block_size = block_size
+        self.max_rows = max_rows
+        max_blocks = -(-max_model_len // block_size)
+        self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
+                                 self.device)
+        self.h2d = H2DRing(self.device)
+        cuda = self.device.type == "cuda"
+        n = self.state.out_top_ids.shape[1]
+        # Prefill results sit after the decode rows in the same slot: one D2H copy per field.
+        rows = 2 * (max_rows + 1)
+        self._d2h = [_D2HSlot(torch.empty(rows, dtype=torch.int64, pin_memory=cuda),
+                              torch.empty(rows, dtype=torch.float32, pin_memory=cuda),
+                              torch.empty(rows, n, dtype=torch.float32, pin_memory=cuda),
+                              torch.empty(rows, n, dtype=torch.int64, pin_memory=cuda))
+                     for _ in range(d2h_slots)]
+        self._next_slot = 0
+        self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
+
+    # -- launch -------------------------------------------------------------------------------
+
+    def launch(self, delta: StepDelta | None, prefills: list[PrefillRow], bucket: int,
+               with_logprobs: bool) -> Launched:
+        """Enqueues: delta, prefill of new rows, one decode iteration over `bucket` rows, and
+        the copy of the results to pinned host memory. Returns without waiting."""
+        if delta is not None:
+            ints, floats = pack_delta(delta, self.max_rows)
+            d_ints, d_floats = self.h2d.put(ints, floats)
+            self.state.apply_delta(delta, d_ints, d_floats)
+        pre = self._prefill(prefills, with_logprobs) if prefills else None
+        num_decode = delta.num_rows if delta is not None else self._num_rows
+        self._num_rows = num_decode
+        if num_decode:
+            if self.graphs is not None and self.graphs.has(bucket, with_logprobs):
+                self.graphs.replay(bucket, with_logprobs)
+            else:
+                decode_iteration(self.model, self.state, self.kv, bucket, self.block_size,
+                                 with_logprobs)
+        return self._copy_out(pre, len(prefills), num_decode, with_logprobs)
+
+    _num_rows = 0
+
+    def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
+        bs = self.block_size
+        ids, pos, slots, cu, lens = [], [], [], [0], []
+        for p in prefills:
+            n = len(p.token_ids)
+            ids += p.token_ids
+            pos += range(n)
+            slots += [p.blocks[i // bs] * bs + i % bs for i in range(n)]
+            cu.append(cu[-1] + n)
+            lens.append(n)
+        rows = [p.row for p in prefills]
+        steps = [p.step for p in prefills]
+        t, k = len(ids), len(prefills)
+        d, _ = self.h2d.put(ids + pos + slots + cu + lens + rows + steps, [])
+        ids_t, pos_t, slots_t = d[:t], d[t:2 * t], d[2 * t:3 * t]
+        cu_t = d[3 * t:3 * t + k + 1]
+        o = 3 * t + k + 1
+        lens_t, rows_t, steps_t = d[o:o + k], d[o + k:o + 2 * k], d[o + 2 * k:o + 3 * k]
+        st = self.state
+        attn = AttentionInputs(slot_mapping=slots_t, block_tables=st.block_tables[rows_t],
+                               seq_lens=lens_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32))
+        hidden = self.model.forward(ids_t, pos_t, attn, self.kv)
+        logits = self.model.compute_logits(hidden[cu_t[1:] - 1])
+        st.steps[rows_t] = steps_t
+        out = sample_rows(self.model, st, rows_t, logits, with_logprobs)
+        # The new rows continue from their first sampled token, like any decoded row.
+        st.input_ids[rows_t] = out.tokens
+        st.positions[rows_t] = lens_t
+        st.steps[rows_t] = steps_t + 1
+        return out
+
+    def _copy_out(self, pre, num_prefill: int, num_decode: int, with_logprobs: bool) -> Launched:
+        i = self._next_slot
+        self._next_slot = (i + 1) % len(self._d2h)
+        slot = self._d2h[i]
+        if slot.event is not None:
+            # The host reads every slot before it is reused (reconcile runs one step behind and
+            # the ring is deeper than that), so this never blocks in practice.
+            slot.event.synchronize()
+        st, r = self.state, self.max_rows + 1
+        nb = self.device.type == "cuda"
+        pairs = [(slot.tokens, st.out_tokens, pre.tokens if pre else None)]
+        if with_logprobs:
+            pairs += [(slot.logprob, st.out_logprob, pre.logprob if pre else None),
+                      (slot.top_logprobs, st.out_top_logprobs, pre.top_logprobs if pre else None),
+                      (slot.top_ids, st.out_top_ids, pre.top_ids if pre else None)]
+        for host, dec, pf in pairs:
+            if num_decode:
+                host[:num_decode].copy_(dec[:num_decode], non_blocking=nb)
+            if pf is not None:
+                host[r:r + num_prefill].copy_(pf, non_blocking=nb)
+        if nb:
+            if slot.event is None:
+                slot.event = torch.cuda.Event()
+            slot.event.record()
+        return Launched(i, num_prefill, num_decode, with_logprobs)
+
+    # -- results ------------------------------------------------------------------------------
+
+    def fetch(self, launched: Launched) -> StepTokens:
+        """Waits for the step's results (normally long arrived) and returns them as Python."""
+        slot = self._d2h[launched.slot]
+        if slot.event is not None:
+            slot.event.synchronize()
+        r = self.max_rows + 1
+
+        def rows(start: int, n: int) -> list[tuple[int, TokenLogprob | None]]:
+            toks = slot.tokens[start:start + n].tolist()
+            if not launched.with_logprobs:
+                return [(t, None) for t in toks]
+            lp = slot.logprob[start:start + n].tolist()
+            tv = slot.top_logprobs[start:start + n].tolist()
+            ti = slot.top_ids[start:start + n].tolist()
+            return [(t, TokenLogprob(t, lp[j], dict(zip(ti[j], tv[j]))))
+                    for j, t in enumerate(toks)]
+
+        return StepTokens(prefill=rows(r, launched.num_prefill),
+                          decode=rows(0, launched.num_decode))

@@ -1,0 +1,185 @@
+"""Scheduler: who is in the batch for the next step, and which KV blocks they own.
+
+Policy, no tensors. Each step it (1) drops rows that ended, (2) makes sure every running row owns
+the block its next write lands in, evicting the latest arrival when blocks run out, and (3)
+admits waiting requests in arrival order while rows and blocks allow. The result is a StepDelta
+for the device plus the prefills to run.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .capture.state import NewRow, StepDelta
+from .block_pool import BlockPool
+from .request import Request, Status
+from .runner import PrefillRow
+
+
+@dataclass
+class Plan:
+    step_id: int
+    delta: StepDelta | None  # None: the batch is unchanged since the last step
+    prefills: list[PrefillRow]
+    prefill_requests: list[Request]
+    rows: list[Request]  # row order at launch: results are matched to requests by it
+    bucket: int
+    with_logprobs: bool
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class SchedulerStats:
+    evictions: int = 0
+    admitted: int = 0
+    deferred_releases: int = 0
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, block_size: int, max_batch: int,
+                 buckets: list[int], max_prefill_tokens: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.buckets = buckets
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: list[Request] = []  # sorted by arrival
+        self.running: list[Request] = []  # row order of the DecodeState
+        # (step id, blocks): freed once that step's results are reconciled, because until then
+        # the device may still write them.
+        self.deferred: list[tuple[int, list[int]]] = []
+        self.stats = SchedulerStats()
+
+    # -- queue --------------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def remove_waiting(self, req: Request) -> None:
+        self.waiting.remove(req)
+
+    def blocks_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def schedule(self, step_id: int) -> Plan:
+        prev_rows = len(self.running)
+        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        compacted = len(keep) != prev_rows
+        self.running = [self.running[i] for i in keep]
+        row_map = keep
+        entries: list[tuple[int, int, int]] = []
+
+        evicted = self._make_room(row_map)
+        compacted = compacted or evicted
+        entries = self._reserve()
+
+        new_rows: list[NewRow] = []
+        prefills: list[PrefillRow] = []
+        admitted: list[Request] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            if req.finished:
+                self.waiting.pop(0)
+                continue
+            if req.in_flight:  # evicted while a step was out: its last tokens are not known yet
+                break
+            n = req.num_tokens
+            need = self.blocks_for(min(n + 1, req.max_len))
+            if not self.pool.can_allocate(need) or (admitted and n > budget):
+                break
+            self.waiting.pop(0)
+            budget -= n
+            req.blocks = self.pool.allocate(need)
+            req.status = Status.RUNNING
+            row = len(self.running)
+            self.running.append(req)
+            admitted.append(req)
+            p = req.params
+            eos_like = sorted(req.stop_ids)
+            new_rows.append(NewRow(row=row, temperature=p.temperature,
+                                   top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
+                                   seed=req.seed, min_tokens=p.min_tokens, stop_ids=eos_like))
+            prefills.append(PrefillRow(row=row, token_ids=req.prompt + req.output,
+                                       blocks=req.blocks, step=len(req.output)))
+            entries += [(row, c, b) for c, b in enumerate(req.blocks)]
+        self.stats.admitted += len(admitted)
+
+        n_rows = len(self.running)
+        delta = None
+        if compacted or new_rows or entries:
+            delta = StepDelta(num_rows=n_rows, row_map=row_map if compacted else None,
+                              new_rows=new_rows, block_entries=entries)
+        bucket = next((b for b in self.buckets if b >= n_rows), self.max_batch)
+        return Plan(step_id=step_id, delta=delta, prefills=prefills, prefill_requests=admitted,
+                    rows=list(self.running), bucket=bucket,
+                    with_logprobs=any(r.params.logprobs is not None for r in self.running))
+
+    def _next_write(self, req: Request) -> tuple[int, bool]:
+        """(block column of the position the row's next step writes, whether it lacks it)."""
+        pos = req.num_tokens - 1 + req.in_flight
+        col = pos // self.block_size
+        return col, col >= len(req.blocks) and pos < req.max_len
+
+    def _make_room(self, row_map: list[int]) -> bool:
+        """Evicts the latest arrivals until every remaining row's next write has a block."""
+        evicted = False
+        while self.running:
+            short = sum(self._next_write(r)[1] for r in self.running)
+            if self.pool.can_allocate(short):
+                break
+            v = max(range(len(self.running)), key=lambda i: self.running[i].arrival)
+            self._evict(self.running.pop(v))
+            del row_map[v]
+            evicted = True
+        return evicted
+
+    def _reserve(self) -> list[tuple[int, int, int]]:
+        """Reserve one step ahead: each row gets the block its next write lands in."""
+        entries = []
+        for row, req in enumerate(self.running):
+            col, short = self._next_write(req)
+            if short:
+                block = self.pool.allocate(1)[0]
+                req.blocks.append(block)
+                entries.append((row, col, block))
+        return entries
+
+    def _evict(self, req: Request) -> None:
+        """Frees a running request's KV and requeues it to recompute prompt + output so far."""
+        self.stats.evictions += 1
+        req.num_evictions += 1
+        self.release(req)
+        req.status = Status.WAITING
+        self.add(req)
+
+    # -- releasing ----------------------------------------------------------------------------
+
+    def release(self, req: Request) -> None:
+        """Gives back a request's blocks, after the last step that may write them retired."""
+        blocks, req.blocks = req.blocks, []
+        if not blocks:
+            return
+        if req.in_flight:
+            self.stats.deferred_releases += 1
+            self.deferred.append((req.last_launched_step, blocks))
+        else:
+            self.pool.free(blocks)
+
+    def retire(self, step_id: int) -> None:
+        """Called once the results of `step_id` are reconciled."""
+        still = []
+        for sid, blocks in self.deferred:
+            if sid <= step_id:
+                self.pool.free(blocks)
+            else:
+                still.append((sid, blocks))
+        self.deferred = still
+
+    def blocks_in_flight(self) -> int:
+        return sum(len(b) for _, b in self.deferred)

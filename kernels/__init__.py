@@ -1,0 +1,51 @@
+"""Kernels and their PyTorch references. `select_ops(device)` is the one dispatch point: Triton
+kernels on CUDA when available, the references everywhere else."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import attention, rmsnorm, rope, sampling
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable
+    add_rms_norm: Callable
+    apply_rope: Callable
+    write_kv: Callable
+    decode_attention: Callable
+    prefill_attention: Callable
+    sample: Callable
+    mask_stop_tokens: Callable
+    logprobs: Callable
+
+
+REFERENCE_OPS = Ops(
+    name="reference",
+    rms_norm=rmsnorm.rms_norm_ref,
+    add_rms_norm=rmsnorm.add_rms_norm_ref,
+    apply_rope=rope.apply_rope_ref,
+    write_kv=attention.write_kv_ref,
+    decode_attention=attention.paged_decode_attention_ref,
+    prefill_attention=attention.paged_prefill_attention_ref,
+    sample=sampling.sample_ref,
+    mask_stop_tokens=sampling.mask_stop_tokens_ref,
+    logprobs=sampling.logprobs_ref,
+)
+
+
+def select_ops(device: torch.device, use_triton: bool | None = None) -> Ops:
+    """use_triton=None picks Triton on CUDA when it imports; False forces the references."""
+    if device.type != "cuda" or use_triton is False:
+        return REFERENCE_OPS
+    try:
+        from .triton_ops import TRITON_OPS
+    except ImportError:
+        if use_triton:
+            raise
+        return REFERENCE_OPS
+    return TRITON_OPS

@@ -1,0 +1,73 @@
+"""Attention over the paged KV cache: PyTorch references (the CPU path and the test oracle).
+
+Cache layout, per layer: k_cache and v_cache of shape [num_blocks, block_size, num_kv_heads,
+head_dim]. A sequence's token at position p lives in block block_table[p // block_size], slot
+p % block_size. Every function reads its sizes from tensors, never from host scalars, so the same
+call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hk, D]; slot_mapping: [T] flat slot index (block * block_size + offset)."""
+    nb, bs, hk, d = k_cache.shape
+    k_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., M] block ids -> [..., M * block_size, Hk, D]."""
+    g = cache[block_table]
+    return g.reshape(*block_table.shape[:-1], -1, cache.shape[2], cache.shape[3])
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query per row. q: [B, Hq, D]; block_tables: [B, M]; seq_lens: [B] (keys to attend,
+    the query's own position included). Returns [B, Hq, D] in q's dtype; fp32 accumulation."""
+    b, hq, d = q.shape
+    hk = k_cache.shape[2]
+    keys = _gather_context(k_cache, block_tables).float()  # [B, L, Hk, D]
+    vals = _gather_context(v_cache, block_tables).float()
+    qg = q.float().view(b, hk, hq // hk, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale
+    pos = torch.arange(keys.shape[1], device=q.device)
+    valid = pos[None, :] < seq_lens[:, None]  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, vals)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                                block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal varlen attention. q: [T, Hq, D] packed; sequence i owns q rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], which are its *last* tokens: with q_len queries and
+    seq_lens[i] keys, query j sits at position seq_lens[i] - q_len + j (a cached prefix before the
+    queries needs no new kernel). Loops over sequences: this is the reference, not the fast path."""
+    out = torch.empty_like(q)
+    hq, d = q.shape[1], q.shape[2]
+    hk = k_cache.shape[2]
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i in range(len(lens)):
+        s, e, n_keys = starts[i], starts[i + 1], lens[i]
+        n_q = e - s
+        if n_q == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[i])[:n_keys].float()  # [L, Hk, D]
+        vals = _gather_context(v_cache, block_tables[i])[:n_keys].float()
+        qi = q[s:e].float().view(n_q, hk, hq // hk, d)
+        scores = torch.einsum("qhgd,lhd->hgql", qi, keys) * scale
+        q_pos = torch.arange(n_keys - n_q, n_keys, device=q.device)
+        k_pos = torch.arange(n_keys, device=q.device)
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgql,lhd->qhgd", probs, vals)
+        out[s:e] = o.reshape(n_q, hq, d).to(q.dtype)
+    return out
