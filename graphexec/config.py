@@ -36,7 +36,7 @@ class EngineConfig:
     buckets: list[int] | None = None
     async_scheduling: bool | None = None  # default: on
     cuda_graphs: bool | None = None  # default: on with CUDA
-    use_triton: bool | None = None  # default: on with CUDA
+    use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
     manifest: str | None = None
 
     def __post_init__(self) -> None:
@@ -84,7 +84,5 @@ class EngineConfig:
             self.cuda_graphs = cuda
         elif self.cuda_graphs and not cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device}")
-        if self.use_triton is None:
-            self.use_triton = cuda
-        elif self.use_triton and not cuda:
+        if self.use_triton and not cuda:
             raise ValueError(f"use_triton=True needs a CUDA device, got device={self.device}")

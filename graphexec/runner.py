@@ -68,6 +68,7 @@ class ModelRunner:
                      for _ in range(d2h_slots)]
         self._next_slot = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
+        self.num_rows = 0  # rows holding a request, as of the last launch
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -80,8 +81,8 @@ class ModelRunner:
             d_ints, d_floats = self.h2d.put(ints, floats)
             self.state.apply_delta(delta, d_ints, d_floats)
         pre = self._prefill(prefills, with_logprobs) if prefills else None
-        num_decode = delta.num_rows if delta is not None else self._num_rows
-        self._num_rows = num_decode
+        num_decode = delta.num_rows if delta is not None else self.num_rows
+        self.num_rows = num_decode
         if num_decode:
             if self.graphs is not None and self.graphs.has(bucket, with_logprobs):
                 self.graphs.replay(bucket, with_logprobs)
@@ -89,8 +90,6 @@ class ModelRunner:
                 decode_iteration(self.model, self.state, self.kv, bucket, self.block_size,
                                  with_logprobs)
         return self._copy_out(pre, len(prefills), num_decode, with_logprobs)
-
-    _num_rows = 0
 
     def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
         bs = self.block_size

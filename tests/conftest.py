@@ -23,7 +23,7 @@ HF_ARCHS = {
 }
 
 
-def make_hf_model(path: str, arch: str, seed: int = 0):
+def make_hf_model(path: str, arch: str, seed: int = 0, std: float = 0.3):
     """A small random HF model saved to `path`. Weights are drawn with std 0.3 (not 0.02) so
     greedy decoding does not collapse into repeating a token."""
     import transformers
@@ -38,7 +38,7 @@ def make_hf_model(path: str, arch: str, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
+                p.normal_(0.0, std)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             else:
@@ -54,4 +54,15 @@ def hf_dirs(tmp_path_factory):
     for arch in HF_ARCHS:
         d = str(tmp_path_factory.mktemp(arch))
         out[arch] = (d, make_hf_model(d, arch))
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_dirs_moderate(tmp_path_factory):
+    """Like hf_dirs with std 0.1 weights: activations of a realistic size for bf16 comparisons
+    (std 0.3 weights blow activations up until bf16 rounding dominates any comparison)."""
+    out = {}
+    for arch in HF_ARCHS:
+        d = str(tmp_path_factory.mktemp(arch + "-moderate"))
+        out[arch] = (d, make_hf_model(d, arch, std=0.1))
     return out

@@ -1,0 +1,78 @@
+"""One CUDA graph per (batch bucket, logprobs on/off), all in one memory pool.
+
+Each graph is the whole decode iteration (forward, sample, advance) over DecodeState's static
+buffers, so replaying it needs no host input: the host only changes the buffers (through a
+StepDelta) when the batch changes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .iteration import decode_iteration
+
+
+@dataclass
+class BucketReport:
+    bucket: int
+    with_logprobs: bool
+    capture_ms: float
+    graph_mib: float
+
+
+@dataclass
+class GraphSet:
+    graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    reports: list[BucketReport] = field(default_factory=list)
+    pool: object = None
+
+    def has(self, bucket: int, with_logprobs: bool) -> bool:
+        return (bucket, with_logprobs) in self.graphs
+
+    def replay(self, bucket: int, with_logprobs: bool) -> None:
+        self.graphs[(bucket, with_logprobs)].replay()
+
+    @classmethod
+    def capture(cls, runner, buckets: list[int], logprobs_variants=(False, True),
+                progress: bool = True) -> "GraphSet":
+        """Captures every bucket, largest first so the smaller ones reuse its pool memory.
+        Must run while no request is in the batch: with num_rows == 0 every row is inert, so
+        warm-up and capture write only the scratch block and the output buffers."""
+        state = runner.state
+        if runner.num_rows != 0:
+            raise RuntimeError("graphs must be captured on an empty batch")
+        out = cls(pool=torch.cuda.graph_pool_handle())
+        todo = [(b, lp) for b in sorted(buckets, reverse=True) for lp in logprobs_variants]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(todo), desc="capturing CUDA graphs", unit="graph", leave=False)
+        run = lambda b, lp: decode_iteration(runner.model, state, runner.kv, b,
+                                             runner.block_size, lp)
+        # Warm up once per shape on a side stream: lazy inits and Triton compiles must not
+        # happen under capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b, lp in todo:
+                run(b, lp)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for b, lp in todo:
+            before = torch.cuda.memory_reserved()
+            t0 = time.perf_counter()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=out.pool):
+                run(b, lp)
+            torch.cuda.synchronize()
+            out.graphs[(b, lp)] = g
+            out.reports.append(BucketReport(b, lp, (time.perf_counter() - t0) * 1e3,
+                                            (torch.cuda.memory_reserved() - before) / 2**20))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return out
