@@ -37,7 +37,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # default: on
     cuda_graphs: bool | None = None  # default: on with CUDA
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
-    manifest: str | None = None
+    manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
+    graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
 
     def __post_init__(self) -> None:
         dev = self.device if self.device is not None else (

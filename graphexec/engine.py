@@ -44,6 +44,8 @@ class EngineStats:
 class Engine:
     def __init__(self, model: str, **options):
         self.config = cfg = EngineConfig(model=model, **options)
+        if cfg.manifest is not None:
+            _apply_manifest(cfg)
         self.model_config, weights, self.tokenizer = _load_model(cfg)
         mc = self.model_config
         max_len = cfg.max_model_len or min(mc.max_position_embeddings, 4096)
@@ -190,6 +192,21 @@ class Engine:
                 self.scheduler.release(req)
         self.scheduler.retire(step.plan.step_id)
         return touched
+
+
+def _apply_manifest(cfg: EngineConfig) -> None:
+    """Takes the buckets (within the graph memory budget) that tools/capture.py checked."""
+    from .capture.manifest import Manifest
+
+    m = Manifest.load(cfg.manifest)
+    if m.model != cfg.model:
+        raise ValueError(f"manifest={cfg.manifest!r} was built for model {m.model!r}, "
+                         f"not {cfg.model!r}")
+    if m.triton_cache_dir and "TRITON_CACHE_DIR" not in os.environ:
+        os.environ["TRITON_CACHE_DIR"] = m.triton_cache_dir
+    cfg.buckets = m.buckets_within(cfg.graph_memory_mib)
+    cfg.max_batch = min(cfg.max_batch, max(cfg.buckets))
+    cfg.buckets = [b for b in cfg.buckets if b <= cfg.max_batch]
 
 
 def _load_model(cfg: EngineConfig):

@@ -2,6 +2,7 @@
 launches steps; it decides nothing about which request runs (that is the scheduler's job)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,9 @@ class ModelRunner:
         self._next_slot = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
         self.num_rows = 0  # rows holding a request, as of the last launch
+        # Benchmarks set this to a list: (start, end) CUDA events around each decode iteration.
+        self.timeline: list | None = None
+        self.wait_seconds = 0.0  # host time spent blocked on results in fetch()
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -84,11 +88,17 @@ class ModelRunner:
         num_decode = delta.num_rows if delta is not None else self.num_rows
         self.num_rows = num_decode
         if num_decode:
+            if self.timeline is not None:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.timeline.append((start, end))
             if self.graphs is not None and self.graphs.has(bucket, with_logprobs):
                 self.graphs.replay(bucket, with_logprobs)
             else:
                 decode_iteration(self.model, self.state, self.kv, bucket, self.block_size,
                                  with_logprobs)
+            if self.timeline is not None:
+                end.record()
         return self._copy_out(pre, len(prefills), num_decode, with_logprobs)
 
     def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
@@ -153,8 +163,10 @@ class ModelRunner:
     def fetch(self, launched: Launched) -> StepTokens:
         """Waits for the step's results (normally long arrived) and returns them as Python."""
         slot = self._d2h[launched.slot]
-        if slot.event is not None:
+        if slot.event is not None and not slot.event.query():
+            t0 = time.perf_counter()
             slot.event.synchronize()
+            self.wait_seconds += time.perf_counter() - t0
         r = self.max_rows + 1
 
         def rows(start: int, n: int) -> list[tuple[int, TokenLogprob | None]]:

@@ -1,0 +1,261 @@
+"""Benchmarks. `python tools/bench.py decode|kernels|all [--out DIR]`.
+
+decode: graphexec (async+graphs, sync+graphs, eager) against HuggingFace transformers (eager,
+static cache + torch.compile) with the same prompts and token counts end to end, plus
+graphexec's decode-only step time, GPU idle time between steps, host time per step and the
+fraction of the HBM roofline (weights + KV bytes per step over the copy bandwidth measured in
+the same run). Writes JSON, a PNG plot, and the tables into docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from graphexec import LLM, SamplingParams  # noqa: E402
+from graphexec.engine import kv_bytes_per_block  # noqa: E402
+from graphexec.model import preset  # noqa: E402
+
+MODES = {"async+graphs": dict(async_scheduling=True, cuda_graphs=True),
+         "sync+graphs": dict(async_scheduling=False, cuda_graphs=True),
+         "eager": dict(async_scheduling=False, cuda_graphs=False)}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (s.elapsed_time(e) / 1e3)
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
+                    bandwidth: float, max_batch: int, llm: LLM | None = None) -> tuple[dict, LLM]:
+    mc = preset(model)
+    max_len = prompt_len + new + 16
+    if llm is None:
+        blocks = max_batch * -(-max_len // 16) + 16
+        llm = LLM(model, max_batch=max_batch, num_kv_blocks=blocks, max_model_len=max_len,
+                  **MODES[mode])
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(batch, prompt_len, mc.vocab_size)
+    llm.generate(prompts[:min(batch, 4)], SamplingParams(max_tokens=4, ignore_eos=True))
+    torch.cuda.synchronize()
+    runner.timeline = []
+    runner.wait_seconds = 0.0
+    host_step = []
+    steps_before = engine.stats.steps
+    t0 = time.perf_counter()
+    ids = [f"b{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    while engine.has_unfinished():
+        s = time.perf_counter()
+        engine.step()
+        host_step.append(time.perf_counter() - s)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    timeline, runner.timeline = runner.timeline, None
+    steps = engine.stats.steps - steps_before
+    # Steady state: steps with every row decoding (skip the first, which holds the prefill).
+    tl = timeline[1:-1]
+    busy = [s.elapsed_time(e) / 1e3 for s, e in tl]
+    gaps = [tl[i][1].elapsed_time(tl[i + 1][0]) / 1e3 for i in range(len(tl) - 1)]
+    span = tl[0][0].elapsed_time(tl[-1][1]) / 1e3 if tl else float("nan")
+    step_time = span / len(tl) if tl else float("nan")
+    weights = mc.num_parameters() * 2
+    kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16
+    avg_ctx = prompt_len + new / 2
+    roofline = (weights + batch * avg_ctx * kv_per_token) / bandwidth
+    res = dict(engine="graphexec", mode=mode, model=model, batch=batch, prompt=prompt_len,
+               new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
+               decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
+               gpu_busy_ms=sum(busy) / max(len(busy), 1) * 1e3,
+               gpu_idle_frac=sum(gaps) / span if span else float("nan"),
+               host_ms_per_step=(sum(host_step) - runner.wait_seconds) / max(steps, 1) * 1e3,
+               roofline_ms=roofline * 1e3, roofline_frac=roofline / step_time,
+               chain_breaks=engine.stats.chain_breaks)
+    return res, llm
+
+
+def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> dict | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    mc = preset(model)
+    cfg = transformers.LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim, max_position_embeddings=8192, rope_theta=mc.rope_theta,
+        tie_word_embeddings=mc.tie_word_embeddings)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                  eos_token_id=None)
+    if kind == "static+compile":
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor(_prompts(batch, prompt_len, mc.vocab_size), device="cuda")
+    with torch.no_grad():
+        for _ in range(2 if kind == "static+compile" else 1):  # compile + warm the graphs
+            hf.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    del hf
+    torch.cuda.empty_cache()
+    return dict(engine="transformers", mode=kind, model=model, batch=batch, prompt=prompt_len,
+                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall,
+                ms_per_token_step=wall / new * 1e3)
+
+
+def run_decode(models, batches, shapes, hf_batches, out_dir) -> list[dict]:
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
+    for model in models:
+        for mode in MODES:
+            llm = None
+            for prompt_len, new in shapes:
+                llm = None  # a new engine per shape: max_model_len and KV sized for it
+                for batch in batches:
+                    res, llm = bench_graphexec(model, mode, batch, prompt_len, new, bw,
+                                               max(batches), llm)
+                    print(json.dumps(res))
+                    rows.append(res)
+                del llm
+                torch.cuda.empty_cache()
+        for kind in ("eager", "static+compile"):
+            for batch in hf_batches:
+                prompt_len, new = shapes[0]
+                try:
+                    res = bench_hf(model, kind, batch, prompt_len, new)
+                except Exception as e:  # report, keep the rest of the run
+                    res = dict(engine="transformers", mode=kind, model=model, batch=batch,
+                               error=repr(e)[:300])
+                if res:
+                    print(json.dumps(res))
+                    rows.append(res)
+        with open(os.path.join(out_dir, f"decode_{model}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    ours = [r for r in rows if r.get("engine") == "graphexec"]
+    models = sorted({r["model"] for r in ours})
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    for j, model in enumerate(models):
+        for mode in MODES:
+            for shape in sorted({(r["prompt"], r["new_tokens"]) for r in ours}):
+                pts = sorted((r["batch"], r["tokens_per_s"], r["roofline_frac"]) for r in ours
+                             if r["model"] == model and r["mode"] == mode
+                             and (r["prompt"], r["new_tokens"]) == shape)
+                if not pts:
+                    continue
+                label = f"{mode} {shape[0]}+{shape[1]}"
+                axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+                axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+        for r in rows:
+            if r.get("engine") == "transformers" and r.get("model") == model and "tokens_per_s" in r:
+                axes[0][j].plot([r["batch"]], [r["tokens_per_s"]], "x", ms=10,
+                                label=f"HF {r['mode']} b{r['batch']}")
+        axes[0][j].set(title=f"{model}: tokens/s (end to end)", xscale="log", yscale="log",
+                       xlabel="batch")
+        axes[1][j].set(title=f"{model}: fraction of HBM roofline (decode step)", xscale="log",
+                       xlabel="batch", ylim=(0, 1.05))
+        axes[0][j].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    gpu = torch.cuda.get_device_name()
+    bw = next(r["copy_bandwidth_TBps"] for r in rows if r.get("engine") == "hbm")
+    lines = [f"Measured {datetime.date.today()} on {gpu}, torch {torch.__version__}, "
+             f"copy bandwidth {bw:.2f} TB/s. Command: `{command}`.", "",
+             "| model | mode | batch | prompt+new | tok/s (e2e) | decode step ms | roofline ms |"
+             " roofline frac | GPU idle | host ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("engine") != "graphexec":
+            continue
+        lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['prompt']}+"
+                     f"{r['new_tokens']} | {r['tokens_per_s']:,.0f} | {r['decode_step_ms']:.3f} "
+                     f"| {r['roofline_ms']:.3f} | {r['roofline_frac']:.2f} | "
+                     f"{100 * r['gpu_idle_frac']:.1f}% | {r['host_ms_per_step']:.3f} |")
+    lines += ["", "| model | transformers | batch | prompt+new | tok/s (e2e) | ms/step |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("engine") == "transformers":
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | - | failed: "
+                             f"{r['error'][:80]} | - |")
+            else:
+                lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['prompt']}+"
+                             f"{r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
+                             f"{r['ms_per_token_step']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["decode", "kernels", "all"])
+    ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--shapes", nargs="+", default=["128+128", "1024+256"])
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    command = "python tools/bench.py " + " ".join(sys.argv[1:])
+    if args.what in ("kernels", "all"):
+        from bench_kernels import bench_kernels
+
+        bench_kernels(os.path.join(args.out, "kernels.json"))
+    if args.what in ("decode", "all"):
+        shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
+        rows = run_decode(args.models, args.batches, shapes, args.hf_batches, args.out)
+        tag = "-".join(args.models)
+        plot(rows, os.path.join(args.out, f"decode_{tag}.png"))
+        md = markdown(rows, command)
+        with open(os.path.join(args.out, f"decode_{tag}.md"), "w") as f:
+            f.write(md + "\n")
+        print(md)
+
+
+if __name__ == "__main__":
+    main()
