@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_STOP_IDS = 16  # ids masked on the device while a row is below min_tokens
+_NEW_ROW_INTS = 6  # seed, min_tokens, top_k, input_id, position, step
 
 
 @dataclass
 class NewRow:
-    """A request entering the batch: its sampling parameters. Token, position and step are
-    written by the prefill that admits it."""
+    """A request entering the batch. A prefilled row gets its token, position and step from
+    the prefill; a resumed row (paused, KV intact) gets them from here."""
 
     row: int
     temperature: float
@@ -26,6 +27,9 @@ class NewRow:
     seed: int
     min_tokens: int
     stop_ids: list[int]
+    input_id: int = 0
+    position: int = 0
+    step: int = 0
 
 
 @dataclass
@@ -87,12 +91,13 @@ class DecodeState:
         n_new = len(delta.new_rows)
         if n_new:
             rows = ints[o:o + n_new]
-            cols = ints[o + n_new:o + (4 + MAX_STOP_IDS) * n_new].view(3 + MAX_STOP_IDS, n_new)
-            o += (4 + MAX_STOP_IDS) * n_new
-            self.seeds[rows] = cols[0]
-            self.min_tokens[rows] = cols[1]
-            self.top_k[rows] = cols[2]
-            self.stop_ids[rows] = cols[3:].t()
+            width = _NEW_ROW_INTS + MAX_STOP_IDS
+            cols = ints[o + n_new:o + (1 + width) * n_new].view(width, n_new)
+            o += (1 + width) * n_new
+            for j, buf in enumerate((self.seeds, self.min_tokens, self.top_k, self.input_ids,
+                                     self.positions, self.steps)):
+                buf[rows] = cols[j]
+            self.stop_ids[rows] = cols[_NEW_ROW_INTS:].t()
             self.temperature[rows] = floats[:n_new]
             self.top_p[rows] = floats[n_new:2 * n_new]
         n_ent = len(delta.block_entries)
@@ -115,6 +120,9 @@ def pack_delta(delta: StepDelta, max_rows: int) -> tuple[list[int], list[float]]
         ints += [r.seed for r in rows]
         ints += [r.min_tokens for r in rows]
         ints += [r.top_k for r in rows]
+        ints += [r.input_id for r in rows]
+        ints += [r.position for r in rows]
+        ints += [r.step for r in rows]
         for j in range(MAX_STOP_IDS):
             ints += [r.stop_ids[j] if j < len(r.stop_ids) else -1 for r in rows]
     for name_idx in range(3):

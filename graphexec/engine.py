@@ -34,11 +34,17 @@ class _InFlight:
 
 @dataclass
 class EngineStats:
+    """Counted from reconciled results only: reading them never syncs the device."""
+
     steps: int = 0
     tokens: int = 0
-    # Launches that found nothing in flight although requests were running: the host drained
-    # the chain before launching. Async mode keeps this at 0 while there is work.
+    # Launches that had to wait on the host for the device (a staging slot still in flight).
+    # Async mode keeps this at 0.
     chain_breaks: int = 0
+    # Steps where the scheduler had nothing it could launch, so the step in flight was read
+    # before the next launch (all done, or only rows waiting on that step's tokens).
+    idle_drains: int = 0
+    batch_size_sum: int = 0
 
 
 class Engine:
@@ -75,6 +81,7 @@ class Engine:
         self._arrivals = 0
         self._step_id = 0
         self._aborted: list[Request] = []
+        self._waits_seen = 0
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -131,11 +138,22 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             raise ValueError(f"request_id={request_id!r} is not a running or waiting request")
-        if req.status is Status.WAITING:
+        if req.status in (Status.WAITING, Status.PAUSED):
             self.scheduler.remove_waiting(req)
         req.finish("abort")
         self.scheduler.release(req)  # a running row leaves the batch at the next plan
         self._aborted.append(req)
+
+    def stats_summary(self) -> dict:
+        """Throughput and KV figures for logging, from host-side counters only."""
+        st, sc = self.stats, self.scheduler.stats
+        return dict(steps=st.steps, tokens=st.tokens, chain_breaks=st.chain_breaks,
+                    idle_drains=st.idle_drains,
+                    mean_batch=st.batch_size_sum / max(st.steps, 1),
+                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    paused=len(self.scheduler.paused), kv_used=self.pool.num_used,
+                    kv_total=self.pool.num_blocks, pauses=sc.pauses, evictions=sc.evictions,
+                    admitted=sc.admitted)
 
     def has_unfinished(self) -> bool:
         return (any(not r.finished for r in self.requests.values()) or bool(self.in_flight)
@@ -150,6 +168,8 @@ class Engine:
         if not plan.empty:
             self._launch(plan)
         depth = 1 if self.config.async_scheduling and not plan.empty else 0
+        if self.config.async_scheduling and plan.empty and self.in_flight:
+            self.stats.idle_drains += 1
         while len(self.in_flight) > depth:
             for req in self._reconcile(self.in_flight.popleft()):
                 touched[req.request_id] = req
@@ -160,8 +180,11 @@ class Engine:
         return outputs
 
     def _launch(self, plan: Plan) -> None:
-        if not self.in_flight and self.stats.steps and self.config.async_scheduling:
+        waits = self.runner.host_waits()
+        if waits > self._waits_seen:
             self.stats.chain_breaks += 1
+        self._waits_seen = waits
+        self.stats.batch_size_sum += len(plan.rows)
         launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.with_logprobs)
         for req in plan.prefill_requests:
             req.in_flight += 1

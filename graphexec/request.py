@@ -11,6 +11,7 @@ from .sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"  # not in the batch: new, or evicted and waiting to recompute
     RUNNING = "running"  # owns a row of the decode state
+    PAUSED = "paused"  # out of the batch under KV pressure, KV kept; resumes first
     FINISHED = "finished"
 
 

@@ -68,6 +68,7 @@ class ModelRunner:
                               torch.empty(rows, n, dtype=torch.int64, pin_memory=cuda))
                      for _ in range(d2h_slots)]
         self._next_slot = 0
+        self._d2h_waits = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
         self.num_rows = 0  # rows holding a request, as of the last launch
         # Benchmarks set this to a list: (start, end) CUDA events around each decode iteration.
@@ -136,9 +137,10 @@ class ModelRunner:
         i = self._next_slot
         self._next_slot = (i + 1) % len(self._d2h)
         slot = self._d2h[i]
-        if slot.event is not None:
+        if slot.event is not None and not slot.event.query():
             # The host reads every slot before it is reused (reconcile runs one step behind and
-            # the ring is deeper than that), so this never blocks in practice.
+            # the ring is deeper than that), so this should never happen; count it if it does.
+            self._d2h_waits += 1
             slot.event.synchronize()
         st, r = self.state, self.max_rows + 1
         nb = self.device.type == "cuda"
@@ -157,6 +159,10 @@ class ModelRunner:
                 slot.event = torch.cuda.Event()
             slot.event.record()
         return Launched(i, num_prefill, num_decode, with_logprobs)
+
+    def host_waits(self) -> int:
+        """Times a launch had to wait for a staging slot's earlier copy (should stay 0)."""
+        return self.h2d.stats.waits + self._d2h_waits
 
     # -- results ------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """Scheduler: who is in the batch for the next step, and which KV blocks they own.
 
 Policy, no tensors. Each step it (1) drops rows that ended, (2) makes sure every running row owns
-the block its next write lands in, evicting the latest arrival when blocks run out, and (3)
-admits waiting requests in arrival order while rows and blocks allow. The result is a StepDelta
-for the device plus the prefills to run.
+the block its next write lands in (pausing, then evicting, under KV pressure: see _make_room),
+(3) resumes paused rows, and (4) admits waiting requests in arrival order while rows and blocks
+allow. The result is a StepDelta for the device plus the prefills to run.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class Plan:
 @dataclass
 class SchedulerStats:
     evictions: int = 0
+    pauses: int = 0
+    resumed: int = 0
     admitted: int = 0
     deferred_releases: int = 0
 
@@ -48,6 +50,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # row order of the DecodeState
+        self.paused: list[Request] = []  # out of the batch, KV kept; sorted by arrival
         # (step id, blocks): freed once that step's results are reconciled, because until then
         # the device may still write them.
         self.deferred: list[tuple[int, list[int]]] = []
@@ -59,7 +62,11 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def remove_waiting(self, req: Request) -> None:
-        self.waiting.remove(req)
+        """Takes a waiting or paused request out of its queue (abort)."""
+        if req in self.paused:
+            self.paused.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def blocks_for(self, num_positions: int) -> int:
         return -(-num_positions // self.block_size)
@@ -67,20 +74,97 @@ class Scheduler:
     # -- planning -----------------------------------------------------------------------------
 
     def schedule(self, step_id: int) -> Plan:
-        prev_rows = len(self.running)
+        self.paused = [r for r in self.paused if not r.finished]
         keep = [i for i, r in enumerate(self.running) if not r.finished]
-        compacted = len(keep) != prev_rows
+        row_map = list(keep)
+        compacted = len(keep) != len(self.running)
         self.running = [self.running[i] for i in keep]
-        row_map = keep
-        entries: list[tuple[int, int, int]] = []
-
-        evicted = self._make_room(row_map)
-        compacted = compacted or evicted
+        compacted |= self._make_room(row_map)
         entries = self._reserve()
-
         new_rows: list[NewRow] = []
+        resumed = self._resume(new_rows, entries)
         prefills: list[PrefillRow] = []
         admitted: list[Request] = []
+        if not self.paused:  # paused rows hold KV already: they go first
+            self._admit(new_rows, entries, prefills, admitted)
+        n_rows = len(self.running)
+        delta = None
+        if compacted or new_rows or entries:
+            delta = StepDelta(num_rows=n_rows, row_map=row_map if compacted else None,
+                              new_rows=new_rows, block_entries=entries)
+        bucket = next((b for b in self.buckets if b >= n_rows), self.max_batch)
+        self.stats.resumed += resumed
+        return Plan(step_id=step_id, delta=delta, prefills=prefills, prefill_requests=admitted,
+                    rows=list(self.running), bucket=bucket,
+                    with_logprobs=any(r.params.logprobs is not None for r in self.running))
+
+    def _next_write(self, req: Request) -> tuple[int, bool]:
+        """(block column of the position the row's next step writes, whether it lacks it)."""
+        pos = req.num_tokens - 1 + req.in_flight
+        col = pos // self.block_size
+        return col, col >= len(req.blocks) and pos < req.max_len
+
+    def _make_room(self, row_map: list[int]) -> bool:
+        """KV pressure policy. While the rows that need a new block outnumber the free blocks,
+        pause the latest arrival among them: it keeps its KV and leaves the batch. When the
+        batch is empty and nothing paused can resume, evict the latest paused arrival: its KV is
+        freed and it is requeued to recompute prompt + output. Returns whether rows left."""
+        changed = False
+        while True:
+            short = [i for i, r in enumerate(self.running) if self._next_write(r)[1]]
+            if self.pool.can_allocate(len(short)):
+                break
+            v = max(short, key=lambda i: self.running[i].arrival)
+            req = self.running.pop(v)
+            del row_map[v]
+            req.status = Status.PAUSED
+            bisect.insort(self.paused, req, key=lambda r: r.arrival)
+            self.stats.pauses += 1
+            changed = True
+        if not self.running and self.paused and not any(
+                self._can_resume(r) for r in self.paused):
+            settled = [r for r in self.paused if not r.in_flight]
+            if settled:
+                victim = settled[-1]
+                self.paused.remove(victim)
+                self._evict(victim)
+        return changed
+
+    def _can_resume(self, req: Request) -> bool:
+        return not req.in_flight and self.pool.can_allocate(int(self._next_write(req)[1]))
+
+    def _reserve(self) -> list[tuple[int, int, int]]:
+        """Reserve one step ahead: each row gets the block its next write lands in."""
+        entries = []
+        for row, req in enumerate(self.running):
+            col, short = self._next_write(req)
+            if short:
+                block = self.pool.allocate(1)[0]
+                req.blocks.append(block)
+                entries.append((row, col, block))
+        return entries
+
+    def _resume(self, new_rows: list[NewRow], entries: list[tuple[int, int, int]]) -> int:
+        """Paused rows rejoin, oldest first, once their last token is known and their next
+        block is free. Their KV is intact: they continue from their last token, no prefill."""
+        n = 0
+        while self.paused and len(self.running) < self.max_batch:
+            req = self.paused[0]
+            if not self._can_resume(req):
+                break
+            self.paused.pop(0)
+            col, short = self._next_write(req)
+            if short:
+                req.blocks += self.pool.allocate(1)
+            row = self._add_row(req, new_rows, entries)
+            new_rows[-1].input_id = req.output[-1]
+            new_rows[-1].position = req.num_tokens - 1
+            new_rows[-1].step = len(req.output)
+            n += 1
+        return n
+
+    def _admit(self, new_rows, entries, prefills: list[PrefillRow],
+               admitted: list[Request]) -> None:
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
@@ -96,59 +180,24 @@ class Scheduler:
             self.waiting.pop(0)
             budget -= n
             req.blocks = self.pool.allocate(need)
-            req.status = Status.RUNNING
-            row = len(self.running)
-            self.running.append(req)
+            row = self._add_row(req, new_rows, entries)
             admitted.append(req)
-            p = req.params
-            eos_like = sorted(req.stop_ids)
-            new_rows.append(NewRow(row=row, temperature=p.temperature,
-                                   top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
-                                   seed=req.seed, min_tokens=p.min_tokens, stop_ids=eos_like))
             prefills.append(PrefillRow(row=row, token_ids=req.prompt + req.output,
                                        blocks=req.blocks, step=len(req.output)))
-            entries += [(row, c, b) for c, b in enumerate(req.blocks)]
         self.stats.admitted += len(admitted)
 
-        n_rows = len(self.running)
-        delta = None
-        if compacted or new_rows or entries:
-            delta = StepDelta(num_rows=n_rows, row_map=row_map if compacted else None,
-                              new_rows=new_rows, block_entries=entries)
-        bucket = next((b for b in self.buckets if b >= n_rows), self.max_batch)
-        return Plan(step_id=step_id, delta=delta, prefills=prefills, prefill_requests=admitted,
-                    rows=list(self.running), bucket=bucket,
-                    with_logprobs=any(r.params.logprobs is not None for r in self.running))
-
-    def _next_write(self, req: Request) -> tuple[int, bool]:
-        """(block column of the position the row's next step writes, whether it lacks it)."""
-        pos = req.num_tokens - 1 + req.in_flight
-        col = pos // self.block_size
-        return col, col >= len(req.blocks) and pos < req.max_len
-
-    def _make_room(self, row_map: list[int]) -> bool:
-        """Evicts the latest arrivals until every remaining row's next write has a block."""
-        evicted = False
-        while self.running:
-            short = sum(self._next_write(r)[1] for r in self.running)
-            if self.pool.can_allocate(short):
-                break
-            v = max(range(len(self.running)), key=lambda i: self.running[i].arrival)
-            self._evict(self.running.pop(v))
-            del row_map[v]
-            evicted = True
-        return evicted
-
-    def _reserve(self) -> list[tuple[int, int, int]]:
-        """Reserve one step ahead: each row gets the block its next write lands in."""
-        entries = []
-        for row, req in enumerate(self.running):
-            col, short = self._next_write(req)
-            if short:
-                block = self.pool.allocate(1)[0]
-                req.blocks.append(block)
-                entries.append((row, col, block))
-        return entries
+    def _add_row(self, req: Request, new_rows: list[NewRow],
+                 entries: list[tuple[int, int, int]]) -> int:
+        req.status = Status.RUNNING
+        row = len(self.running)
+        self.running.append(req)
+        p = req.params
+        new_rows.append(NewRow(row=row, temperature=p.temperature,
+                               top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
+                               seed=req.seed, min_tokens=p.min_tokens,
+                               stop_ids=sorted(req.stop_ids)))
+        entries += [(row, c, b) for c, b in enumerate(req.blocks)]
+        return row
 
     def _evict(self, req: Request) -> None:
         """Frees a running request's KV and requeues it to recompute prompt + output so far."""

@@ -1,0 +1,47 @@
+"""Shared by the lifecycle tests: engines, random requests, and the invariants."""
+import random
+
+from graphexec import Engine, SamplingParams
+
+
+def make_engine(async_scheduling: bool, **kw) -> Engine:
+    opts = dict(max_batch=4, num_kv_blocks=40, block_size=16, max_model_len=512, seed=3)
+    opts.update(kw)
+    return Engine("tiny", async_scheduling=async_scheduling, **opts)
+
+
+def random_params(rng: random.Random, greedy: bool, max_tokens: int) -> SamplingParams:
+    stop = rng.sample(range(2, 512), 24) if rng.random() < 0.5 else []
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9,
+                          top_k=rng.choice([-1, 30]), top_p=rng.choice([1.0, 0.8]),
+                          seed=rng.randrange(1000) if rng.random() < 0.7 else None,
+                          stop_token_ids=stop, ignore_eos=rng.random() < 0.5,
+                          logprobs=rng.choice([None, 2]))
+
+
+def check_blocks(engine: Engine) -> None:
+    """free + used == total; every used block belongs to a live request or waits for a step
+    still in flight."""
+    pool, sched = engine.pool, engine.scheduler
+    assert pool.num_free + pool.num_used == pool.num_blocks
+    owned = [b for r in engine.requests.values() for b in r.blocks]
+    deferred = [b for _, blocks in sched.deferred for b in blocks]
+    assert len(set(owned)) == len(owned), "a block is owned twice"
+    assert not set(owned) & set(deferred)
+    assert pool.num_used == len(owned) + len(deferred)
+    if sched.deferred:
+        oldest = min(s.plan.step_id for s in engine.in_flight) if engine.in_flight else None
+        assert oldest is not None and all(sid >= oldest for sid, _ in sched.deferred)
+
+
+def drain(engine: Engine, collected: dict) -> None:
+    while engine.has_unfinished():
+        collect(engine.step(), collected)
+
+
+def collect(outputs, collected: dict) -> None:
+    for o in outputs:
+        prev = collected.get(o.request_id)
+        if prev is not None:
+            assert o.token_ids[:len(prev.token_ids)] == prev.token_ids
+        collected[o.request_id] = o

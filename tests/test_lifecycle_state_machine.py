@@ -1,0 +1,104 @@
+"""A random program of arrivals, aborts and steps, driven through an async engine and a sync one
+at once with a KV cache small enough that rows are paused and evicted. Async output must equal
+sync output (sync being one step ahead, async output is always a prefix of it)."""
+import random
+
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lifecycle_helpers import check_blocks, collect, drain, make_engine, random_params
+
+
+class AsyncEqualsSync(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.sync = make_engine(False)
+        self.asyn = make_engine(True)
+        self.out_sync: dict = {}
+        self.out_async: dict = {}
+        self.aborted: set[str] = set()
+        self.count = 0
+
+    @rule(prompt_len=st.integers(1, 300), max_tokens=st.integers(1, 64), greedy=st.booleans(),
+          seed=st.integers(0, 2**16))
+    def add(self, prompt_len, max_tokens, greedy, seed):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(2, 512) for _ in range(prompt_len)]
+        params = random_params(rng, greedy, max_tokens)
+        rid = f"r{self.count}"
+        self.count += 1
+        self.sync.add_request(rid, prompt, params)
+        self.asyn.add_request(rid, prompt, params)
+
+    @precondition(lambda self: self.count > 0)
+    @rule(pick=st.integers(0, 10**6))
+    def abort(self, pick):
+        live = [rid for rid in self.sync.requests if rid in self.asyn.requests
+                and not self.sync.requests[rid].finished and not self.asyn.requests[rid].finished]
+        if not live:
+            return
+        rid = live[pick % len(live)]
+        self.sync.abort(rid)
+        self.asyn.abort(rid)
+        self.aborted.add(rid)
+
+    @rule(n=st.integers(1, 4))
+    def step(self, n):
+        for _ in range(n):
+            collect(self.sync.step(), self.out_sync)
+            collect(self.asyn.step(), self.out_async)
+
+    @invariant()
+    def async_is_a_prefix_of_sync(self):
+        for rid, a in self.out_async.items():
+            s = self.out_sync.get(rid)
+            assert s is not None, rid
+            assert s.token_ids[:len(a.token_ids)] == a.token_ids, rid
+            if a.finished and rid not in self.aborted:
+                assert s.finished and s.token_ids == a.token_ids, rid
+                assert s.finish_reason == a.finish_reason, rid
+
+    @invariant()
+    def blocks_accounted(self):
+        check_blocks(self.sync)
+        check_blocks(self.asyn)
+
+    def teardown(self):
+        drain(self.sync, self.out_sync)
+        drain(self.asyn, self.out_async)
+        assert self.out_sync.keys() == self.out_async.keys()
+        for rid, s in self.out_sync.items():
+            a = self.out_async[rid]
+            assert s.finished and a.finished, rid
+            if rid in self.aborted:
+                assert s.token_ids[:len(a.token_ids)] == a.token_ids
+            else:
+                assert (s.token_ids, s.finish_reason) == (a.token_ids, a.finish_reason), rid
+        for e in (self.sync, self.asyn):
+            assert e.pool.num_free == e.pool.num_blocks, "KV blocks leaked"
+            assert not e.requests and not e.in_flight
+        assert self.asyn.stats.chain_breaks == 0
+        for e, name in ((self.sync, "sync"), (self.asyn, "async")):
+            for k in ("pauses", "evictions"):
+                TALLY[f"{name}_{k}"] = TALLY.get(f"{name}_{k}", 0) + getattr(
+                    e.scheduler.stats, k)
+
+
+TALLY: dict[str, int] = {}  # across examples, printed by -s runs to show pressure happened
+
+
+AsyncEqualsSync.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestAsyncEqualsSync = AsyncEqualsSync.TestCase
+
+
+def test_state_machine_hits_pauses_and_evictions():
+    """The program above is only meaningful if KV pressure actually pauses and evicts rows."""
+    TALLY.clear()
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(AsyncEqualsSync, settings=settings(
+        max_examples=10, stateful_step_count=40, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert TALLY.get("async_pauses", 0) > 0 and TALLY.get("async_evictions", 0) > 0, TALLY
