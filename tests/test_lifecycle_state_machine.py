@@ -3,6 +3,9 @@ at once with a KV cache small enough that rows are paused and evicted. Async out
 sync output (sync being one step ahead, async output is always a prefix of it)."""
 import random
 
+import pytest
+import torch
+
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -10,10 +13,12 @@ from lifecycle_helpers import check_blocks, collect, drain, make_engine, random_
 
 
 class AsyncEqualsSync(RuleBasedStateMachine):
+    ENGINE = {}  # extra Engine options (the GPU variant sets device and graphs)
+
     def __init__(self):
         super().__init__()
-        self.sync = make_engine(False)
-        self.asyn = make_engine(True)
+        self.sync = make_engine(False, **self.ENGINE)
+        self.asyn = make_engine(True, **self.ENGINE)
         self.out_sync: dict = {}
         self.out_async: dict = {}
         self.aborted: set[str] = set()
@@ -102,3 +107,18 @@ def test_state_machine_hits_pauses_and_evictions():
         max_examples=10, stateful_step_count=40, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow]))
     assert TALLY.get("async_pauses", 0) > 0 and TALLY.get("async_evictions", 0) > 0, TALLY
+
+
+class AsyncEqualsSyncOnGpu(AsyncEqualsSync):
+    # Sync and async both replay graphs: async + graphs must equal sync + graphs.
+    ENGINE = dict(device="cuda", cuda_graphs=True, dtype="float32", buckets=[1, 2, 4])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_state_machine_on_gpu_with_graphs():
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(AsyncEqualsSyncOnGpu, settings=settings(
+        max_examples=15, stateful_step_count=30, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
