@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .iteration import decode_iteration
 
 
 @dataclass
@@ -50,8 +49,7 @@ class GraphSet:
             from tqdm import tqdm
 
             bar = tqdm(total=len(todo), desc="capturing CUDA graphs", unit="graph", leave=False)
-        run = lambda b, lp: decode_iteration(runner.model, state, runner.kv, b,
-                                             runner.block_size, lp)
+        run = runner.iterate
         # Warm up once per shape on a side stream: lazy inits and Triton compiles must not
         # happen under capture.
         side = torch.cuda.Stream()

@@ -37,7 +37,7 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
                         state.seeds[rows], steps)
     if not with_logprobs:
         return SampleOut(tokens)
-    chosen, top_vals, top_ids = ops.logprobs(logits, tokens, state.out_top_ids.shape[1])
+    chosen, top_vals, top_ids = ops.logprobs(logits, tokens, state.out_top_ids.shape[-1])
     return SampleOut(tokens, chosen, top_vals, top_ids)
 
 
@@ -54,11 +54,11 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
     logits = model.compute_logits(hidden)
     out = sample_rows(model, state, rows, logits, with_logprobs)
     tokens = out.tokens
-    state.out_tokens[rows] = tokens
+    state.out_tokens[rows, 0] = tokens
     if with_logprobs:
-        state.out_logprob[rows] = out.logprob
-        state.out_top_logprobs[rows] = out.top_logprobs
-        state.out_top_ids[rows] = out.top_ids
+        state.out_logprob[rows, 0] = out.logprob
+        state.out_top_logprobs[rows, 0] = out.top_logprobs
+        state.out_top_ids[rows, 0] = out.top_ids
     # Advance live rows only; padding rows stay inert (position 0, scratch block).
     live = (torch.arange(bucket, device=state.device) < state.num_rows).long()
     state.input_ids[rows] = tokens * live

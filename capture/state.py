@@ -48,7 +48,8 @@ class StepDelta:
 
 class DecodeState:
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
-                 scratch_block: int, device: torch.device, num_logprobs: int = 20):
+                 scratch_block: int, device: torch.device, num_logprobs: int = 20,
+                 tokens_per_step: int = 1):
         self.max_rows = max_rows
         self.inert_row = max_rows
         self.scratch_block = scratch_block
@@ -70,11 +71,15 @@ class DecodeState:
         self.block_tables = torch.full((r, self.max_cols), scratch_block, device=device,
                                        dtype=torch.int32)
         self.num_rows = torch.zeros(1, **i64)  # rows holding a request; read inside graphs
-        # Outputs of the last step, read back by the host one step later.
-        self.out_tokens = torch.zeros(r, **i64)
-        self.out_logprob = torch.zeros(r, device=device, dtype=torch.float32)
-        self.out_top_logprobs = torch.zeros(r, num_logprobs, device=device, dtype=torch.float32)
-        self.out_top_ids = torch.zeros(r, num_logprobs, **i64)
+        # Outputs of the last step, read back by the host one step later. A step emits up to
+        # tokens_per_step tokens per row (K+1 when speculating); out_count says how many.
+        w, f32 = tokens_per_step, dict(device=device, dtype=torch.float32)
+        self.tokens_per_step = w
+        self.out_tokens = torch.zeros(r, w, **i64)
+        self.out_count = torch.ones(r, **i64)
+        self.out_logprob = torch.zeros(r, w, **f32)
+        self.out_top_logprobs = torch.zeros(r, w, num_logprobs, **f32)
+        self.out_top_ids = torch.zeros(r, w, num_logprobs, **i64)
         self._row_fields = [self.input_ids, self.positions, self.steps, self.seeds,
                             self.min_tokens, self.top_k, self.temperature, self.top_p,
                             self.stop_ids, self.block_tables]

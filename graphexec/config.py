@@ -37,6 +37,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # default: on
     cuda_graphs: bool | None = None  # default: on with CUDA
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
+    speculative: object | None = None  # a SpeculativeConfig
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
     graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
 
@@ -78,6 +79,12 @@ class EngineConfig:
                 raise ValueError(f"buckets must be positive integers, got {self.buckets!r}")
             self.buckets = sorted(set(b for b in self.buckets if b <= self.max_batch)
                                   | {self.max_batch})
+        if self.speculative is not None:
+            from .spec import SpeculativeConfig
+
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig, got "
+                                 f"{type(self.speculative).__name__}")
         if self.async_scheduling is None:
             self.async_scheduling = True
         cuda = self.device.type == "cuda"

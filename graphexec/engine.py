@@ -22,6 +22,7 @@ from .request import Request, Status
 from .runner import Launched, ModelRunner
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Plan, Scheduler
+from .spec import build_draft
 from .tokenizer import load_tokenizer
 from .kernels import select_ops
 
@@ -64,12 +65,18 @@ class Engine:
         num_blocks = _num_kv_blocks(cfg, mc, max_len)
         self.kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
         ops = select_ops(cfg.device, cfg.use_triton)
-        self.model = LlamaModel(mc, weights, ops, max_positions=max_len + 1)
+        # positions past the limit: the extra step after a finish, and K draft positions
+        spec_k = cfg.speculative.num_tokens if cfg.speculative is not None else 0
+        self.model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + spec_k)
         self.pool = BlockPool(num_blocks)
+        spec, draft = cfg.speculative, None
+        if spec is not None:
+            draft = build_draft(spec, self.model, self.kv, max_len, cfg.seed)
+        k = spec.num_tokens if spec is not None else 0
         self.runner = ModelRunner(self.model, self.kv, cfg.max_batch, max_len, cfg.block_size,
-                                  scratch_block=num_blocks)
+                                  scratch_block=num_blocks, draft=draft, num_spec_tokens=k)
         self.scheduler = Scheduler(self.pool, cfg.block_size, cfg.max_batch, cfg.buckets,
-                                   cfg.max_prefill_tokens)
+                                   cfg.max_prefill_tokens, spec_tokens=k)
         if cfg.cuda_graphs:
             from .capture.graphs import GraphSet
 
@@ -188,8 +195,10 @@ class Engine:
         launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.with_logprobs)
         for req in plan.prefill_requests:
             req.in_flight += 1
+            req.advance_bound += 1
         for req in plan.rows:
             req.in_flight += 1
+            req.advance_bound += self.runner.k + 1
             req.last_launched_step = plan.step_id
         self.in_flight.append(_InFlight(plan, launched))
         self._step_id += 1
@@ -200,19 +209,25 @@ class Engine:
         step (it was launched before the host knew): its token is dropped here."""
         res = self.runner.fetch(step.launched)
         touched = []
-        pairs = list(zip(step.plan.prefill_requests, res.prefill)) + list(
-            zip(step.plan.rows, res.decode))
-        for req, (token, logprob) in pairs:
+        pairs = list(zip(step.plan.prefill_requests, res.prefill, [1] * len(res.prefill)))
+        pairs += list(zip(step.plan.rows, res.decode, [self.runner.k + 1] * len(res.decode)))
+        for req, emitted, bound in pairs:
             req.in_flight -= 1
+            req.advance_bound -= bound
+            if bound > 1:  # a speculative step: K drafted, count - 1 accepted
+                req.num_drafted += bound - 1
+                req.num_accepted += len(emitted) - 1
             if req.finished:
                 continue
-            if logprob is not None and req.params.logprobs is not None:
-                logprob.top = dict(list(logprob.top.items())[:req.params.logprobs])
-            req.append(token, logprob)
-            self.stats.tokens += 1
+            for token, logprob in emitted:
+                if logprob is not None and req.params.logprobs is not None:
+                    logprob.top = dict(list(logprob.top.items())[:req.params.logprobs])
+                req.append(token, logprob)
+                self.stats.tokens += 1
+                if req.finished:  # tokens after a stop in an accepted run are dropped
+                    self.scheduler.release(req)
+                    break
             touched.append(req)
-            if req.finished:
-                self.scheduler.release(req)
         self.scheduler.retire(step.plan.step_id)
         return touched
 

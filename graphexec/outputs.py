@@ -22,7 +22,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     logprobs: list[TokenLogprob] | None = None  # cumulative, one per token, when asked
     text: str | None = None
-    error: str | None = None
+    # speculative decoding: draft tokens proposed for and accepted into this request
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -29,10 +29,13 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Tokens the device has been asked to produce for this request and whose results the host
-    # has not read yet. Positions advance by one per launched step whatever the token turns out
-    # to be, so the host can reserve KV blocks ahead without knowing the tokens.
-    in_flight: int = 0
+    # What the host knows of steps it launched but has not read yet. Positions advance by one
+    # per plain step (at most K+1 per speculative one) whatever the tokens turn out to be, so
+    # the host can reserve KV blocks ahead without knowing the tokens.
+    in_flight: int = 0  # launched steps (prefill included) not reconciled yet
+    advance_bound: int = 0  # the most positions those steps can have advanced the row
+    num_drafted: int = 0  # speculative tokens proposed for this request
+    num_accepted: int = 0
     last_launched_step: int = -1
     new_tokens: list[int] = field(default_factory=list)  # added since the last output
     num_evictions: int = 0
@@ -69,6 +72,8 @@ class Request:
             new_token_ids=self.new_tokens,
             finish_reason=self.finish_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            num_drafted_tokens=self.num_drafted,
+            num_accepted_tokens=self.num_accepted,
         )
         self.new_tokens = []
         return out

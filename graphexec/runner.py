@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from .capture.iteration import decode_iteration, sample_rows
+from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing
 from .capture.state import DecodeState, StepDelta, pack_delta
 from .model import AttentionInputs, KVCache, LlamaModel
 from .outputs import TokenLogprob
+
+Emitted = list[tuple[int, TokenLogprob | None]]  # the tokens one row produced in one step
 
 
 @dataclass
@@ -24,7 +27,8 @@ class PrefillRow:
 
 @dataclass
 class _D2HSlot:
-    tokens: torch.Tensor
+    tokens: torch.Tensor  # [rows, W]: decode rows first, then prefill rows
+    count: torch.Tensor  # [rows]
     logprob: torch.Tensor
     top_logprobs: torch.Tensor
     top_ids: torch.Tensor
@@ -43,29 +47,35 @@ class Launched:
 
 @dataclass
 class StepTokens:
-    prefill: list[tuple[int, TokenLogprob | None]]  # one per PrefillRow, in launch order
-    decode: list[tuple[int, TokenLogprob | None]]  # one per row 0..num_decode-1
+    prefill: list[Emitted]  # one per PrefillRow, in launch order
+    decode: list[Emitted]  # one per row 0..num_decode-1
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, max_rows: int, max_model_len: int,
-                 block_size: int, scratch_block: int, d2h_slots: int = 4):
+                 block_size: int, scratch_block: int, draft: DraftModel | None = None,
+                 num_spec_tokens: int = 0, d2h_slots: int = 4):
         self.model, self.kv = model, kv
+        self.draft, self.k = draft, num_spec_tokens
         self.device = model.device
         self.block_size = block_size
         self.max_rows = max_rows
-        max_blocks = -(-max_model_len // block_size)
+        # A speculative step may write K positions past the context limit before the host
+        # trims: those columns exist and point at the scratch block.
+        max_blocks = -(-(max_model_len + num_spec_tokens) // block_size)
+        w = num_spec_tokens + 1
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
-                                 self.device)
+                                 self.device, tokens_per_step=w)
         self.h2d = H2DRing(self.device)
         cuda = self.device.type == "cuda"
-        n = self.state.out_top_ids.shape[1]
-        # Prefill results sit after the decode rows in the same slot: one D2H copy per field.
-        rows = 2 * (max_rows + 1)
-        self._d2h = [_D2HSlot(torch.empty(rows, dtype=torch.int64, pin_memory=cuda),
-                              torch.empty(rows, dtype=torch.float32, pin_memory=cuda),
-                              torch.empty(rows, n, dtype=torch.float32, pin_memory=cuda),
-                              torch.empty(rows, n, dtype=torch.int64, pin_memory=cuda))
+        n = self.state.out_top_ids.shape[-1]
+        rows = 2 * (max_rows + 1)  # prefill results sit after the decode rows: one copy each
+
+        def pinned(*shape, dtype=torch.int64):
+            return torch.empty(*shape, dtype=dtype, pin_memory=cuda)
+
+        self._d2h = [_D2HSlot(pinned(rows, w), pinned(rows), pinned(rows, w, dtype=torch.float32),
+                              pinned(rows, w, n, dtype=torch.float32), pinned(rows, w, n))
                      for _ in range(d2h_slots)]
         self._next_slot = 0
         self._d2h_waits = 0
@@ -74,6 +84,15 @@ class ModelRunner:
         # Benchmarks set this to a list: (start, end) CUDA events around each decode iteration.
         self.timeline: list | None = None
         self.wait_seconds = 0.0  # host time spent blocked on results in fetch()
+
+    def iterate(self, bucket: int, with_logprobs: bool) -> None:
+        """One decode iteration over the first `bucket` rows, eager (also what graphs capture)."""
+        if self.draft is None:
+            decode_iteration(self.model, self.state, self.kv, bucket, self.block_size,
+                             with_logprobs)
+        else:
+            spec_iteration(self.model, self.draft, self.state, self.kv, bucket, self.block_size,
+                           self.k, with_logprobs)
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -90,14 +109,14 @@ class ModelRunner:
         self.num_rows = num_decode
         if num_decode:
             if self.timeline is not None:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 self.timeline.append((start, end))
             if self.graphs is not None and self.graphs.has(bucket, with_logprobs):
                 self.graphs.replay(bucket, with_logprobs)
             else:
-                decode_iteration(self.model, self.state, self.kv, bucket, self.block_size,
-                                 with_logprobs)
+                self.iterate(bucket, with_logprobs)
             if self.timeline is not None:
                 end.record()
         return self._copy_out(pre, len(prefills), num_decode, with_logprobs)
@@ -124,6 +143,8 @@ class ModelRunner:
         attn = AttentionInputs(slot_mapping=slots_t, block_tables=st.block_tables[rows_t],
                                seq_lens=lens_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32))
         hidden = self.model.forward(ids_t, pos_t, attn, self.kv)
+        if self.draft is not None and not self.draft.shares_target_kv:
+            self.draft.model.forward(ids_t, pos_t, attn, self.draft.kv)  # the draft's own KV
         logits = self.model.compute_logits(hidden[cu_t[1:] - 1])
         st.steps[rows_t] = steps_t
         out = sample_rows(self.model, st, rows_t, logits, with_logprobs)
@@ -144,7 +165,8 @@ class ModelRunner:
             slot.event.synchronize()
         st, r = self.state, self.max_rows + 1
         nb = self.device.type == "cuda"
-        pairs = [(slot.tokens, st.out_tokens, pre.tokens if pre else None)]
+        pairs = [(slot.tokens, st.out_tokens, pre.tokens if pre else None),
+                 (slot.count, st.out_count, None)]
         if with_logprobs:
             pairs += [(slot.logprob, st.out_logprob, pre.logprob if pre else None),
                       (slot.top_logprobs, st.out_top_logprobs, pre.top_logprobs if pre else None),
@@ -153,7 +175,7 @@ class ModelRunner:
             if num_decode:
                 host[:num_decode].copy_(dec[:num_decode], non_blocking=nb)
             if pf is not None:
-                host[r:r + num_prefill].copy_(pf, non_blocking=nb)
+                host[r:r + num_prefill, 0].copy_(pf, non_blocking=nb)
         if nb:
             if slot.event is None:
                 slot.event = torch.cuda.Event()
@@ -175,15 +197,16 @@ class ModelRunner:
             self.wait_seconds += time.perf_counter() - t0
         r = self.max_rows + 1
 
-        def rows(start: int, n: int) -> list[tuple[int, TokenLogprob | None]]:
+        def rows(start: int, n: int, counts: list[int]) -> list[Emitted]:
             toks = slot.tokens[start:start + n].tolist()
             if not launched.with_logprobs:
-                return [(t, None) for t in toks]
+                return [[(t, None) for t in toks[i][:c]] for i, c in enumerate(counts)]
             lp = slot.logprob[start:start + n].tolist()
             tv = slot.top_logprobs[start:start + n].tolist()
             ti = slot.top_ids[start:start + n].tolist()
-            return [(t, TokenLogprob(t, lp[j], dict(zip(ti[j], tv[j]))))
-                    for j, t in enumerate(toks)]
+            return [[(toks[i][j], TokenLogprob(toks[i][j], lp[i][j], dict(zip(ti[i][j], tv[i][j]))))
+                     for j in range(c)] for i, c in enumerate(counts)]
 
-        return StepTokens(prefill=rows(r, launched.num_prefill),
-                          decode=rows(0, launched.num_decode))
+        return StepTokens(prefill=rows(r, launched.num_prefill, [1] * launched.num_prefill),
+                          decode=rows(0, launched.num_decode,
+                                      slot.count[:launched.num_decode].tolist()))

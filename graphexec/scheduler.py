@@ -42,8 +42,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_batch: int,
-                 buckets: list[int], max_prefill_tokens: int):
+                 buckets: list[int], max_prefill_tokens: int, spec_tokens: int = 0):
         self.pool = pool
+        self.spec_tokens = spec_tokens  # K draft positions written past each row's input
         self.block_size = block_size
         self.max_batch = max_batch
         self.buckets = buckets
@@ -98,11 +99,12 @@ class Scheduler:
                     rows=list(self.running), bucket=bucket,
                     with_logprobs=any(r.params.logprobs is not None for r in self.running))
 
-    def _next_write(self, req: Request) -> tuple[int, bool]:
-        """(block column of the position the row's next step writes, whether it lacks it)."""
-        pos = req.num_tokens - 1 + req.in_flight
-        col = pos // self.block_size
-        return col, col >= len(req.blocks) and pos < req.max_len
+    def _missing_blocks(self, req: Request) -> int:
+        """Blocks the row lacks for every position its next step may write: from its next input
+        (an upper bound while steps are in flight) through the K draft positions after it."""
+        last = req.num_tokens - 1 + req.advance_bound + self.spec_tokens
+        last = min(last, req.max_len - 1)  # past the limit writes go to the scratch block
+        return max(0, last // self.block_size + 1 - len(req.blocks))
 
     def _make_room(self, row_map: list[int]) -> bool:
         """KV pressure policy. While the rows that need a new block outnumber the free blocks,
@@ -111,9 +113,10 @@ class Scheduler:
         freed and it is requeued to recompute prompt + output. Returns whether rows left."""
         changed = False
         while True:
-            short = [i for i, r in enumerate(self.running) if self._next_write(r)[1]]
-            if self.pool.can_allocate(len(short)):
+            missing = [self._missing_blocks(r) for r in self.running]
+            if self.pool.can_allocate(sum(missing)):
                 break
+            short = [i for i, m in enumerate(missing) if m]
             v = max(short, key=lambda i: self.running[i].arrival)
             req = self.running.pop(v)
             del row_map[v]
@@ -131,17 +134,15 @@ class Scheduler:
         return changed
 
     def _can_resume(self, req: Request) -> bool:
-        return not req.in_flight and self.pool.can_allocate(int(self._next_write(req)[1]))
+        return not req.in_flight and self.pool.can_allocate(self._missing_blocks(req))
 
     def _reserve(self) -> list[tuple[int, int, int]]:
         """Reserve one step ahead: each row gets the block its next write lands in."""
         entries = []
         for row, req in enumerate(self.running):
-            col, short = self._next_write(req)
-            if short:
-                block = self.pool.allocate(1)[0]
+            for block in self.pool.allocate(self._missing_blocks(req)):
+                entries.append((row, len(req.blocks), block))
                 req.blocks.append(block)
-                entries.append((row, col, block))
         return entries
 
     def _resume(self, new_rows: list[NewRow], entries: list[tuple[int, int, int]]) -> int:
@@ -153,10 +154,8 @@ class Scheduler:
             if not self._can_resume(req):
                 break
             self.paused.pop(0)
-            col, short = self._next_write(req)
-            if short:
-                req.blocks += self.pool.allocate(1)
-            row = self._add_row(req, new_rows, entries)
+            req.blocks += self.pool.allocate(self._missing_blocks(req))
+            self._add_row(req, new_rows, entries)
             new_rows[-1].input_id = req.output[-1]
             new_rows[-1].position = req.num_tokens - 1
             new_rows[-1].step = len(req.output)
@@ -174,7 +173,8 @@ class Scheduler:
             if req.in_flight:  # evicted while a step was out: its last tokens are not known yet
                 break
             n = req.num_tokens
-            need = self.blocks_for(min(n + 1, req.max_len))
+            # the prompt, the first token, and what the first decode step may write after it
+            need = self.blocks_for(min(n + 1 + self.spec_tokens, req.max_len))
             if not self.pool.can_allocate(need) or (admitted and n > budget):
                 break
             self.waiting.pop(0)

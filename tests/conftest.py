@@ -23,14 +23,14 @@ HF_ARCHS = {
 }
 
 
-def make_hf_model(path: str, arch: str, seed: int = 0, std: float = 0.3):
+def make_hf_model(path: str, arch: str, seed: int = 0, std: float = 0.3, vocab: int = 320):
     """A small random HF model saved to `path`. Weights are drawn with std 0.3 (not 0.02) so
     greedy decoding does not collapse into repeating a token."""
     import transformers
 
     cfg_name, model_name, extra = HF_ARCHS[arch]
     cfg = getattr(transformers, cfg_name)(
-        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1, **extra)
     torch.manual_seed(seed)

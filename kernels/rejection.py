@@ -1,0 +1,76 @@
+"""Speculative decoding: target and draft distributions, and the rejection sampler (PyTorch
+reference; graph safe, no host syncs).
+
+Greedy rows are the same rule with one-hot distributions: a draft token is accepted exactly when
+it equals the target's argmax, and the residual is the target's argmax. So one code path serves
+greedy and sampled rows, and for sampled rows it is the standard lossless rule: accept draft
+token d with probability min(1, p(d) / q(d)), else draw from normalise(max(0, p - q)).
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import topk_topp_mask, uniform_noise
+
+# Independent random streams per purpose, all keyed by (seed ^ salt, output index).
+SALT_DRAFT = 0x5D5D_0001
+SALT_ACCEPT = 0x5D5D_0002
+SALT_RESIDUAL = 0x5D5D_0003
+
+
+def sampling_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> the distribution the plain sampler draws from: softmax(logits / T) over the
+    tokens top-k and top-p keep, or one-hot on the argmax where temperature == 0."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    scaled = logits / t[:, None]
+    keep = topk_topp_mask(scaled, top_k, top_p)
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], onehot, probs)
+
+
+def draw_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One draw per row from (unnormalised) probabilities, by Gumbel-max on log(probs)."""
+    u = uniform_noise(seeds, steps, probs.shape[1])
+    score = torch.log(probs) - torch.log(-torch.log(u))
+    return score.argmax(-1)
+
+
+def rejection_sample_ref(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                         seeds: torch.Tensor, steps: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """p: [B, K+1, V] target distributions at the K+1 verified positions; q: [B, K, V] the
+    draft distributions the K draft tokens `draft` [B, K] were drawn from; steps: [B] index of
+    the first output token. Returns (tokens [B, K+1], count [B]): the first count tokens of
+    each row are emitted (the accepted drafts, then one corrected or bonus token)."""
+    b, k1, v = p.shape
+    k = k1 - 1
+    j = torch.arange(k, device=p.device)
+    step_j = steps[:, None] + j[None, :]  # output index each draft token would take
+    p_d = p[:, :k].gather(2, draft[..., None]).squeeze(-1)
+    q_d = q.gather(2, draft[..., None]).squeeze(-1)
+    u = torch.stack([uniform_noise(seeds ^ SALT_ACCEPT, step_j[:, i], 1)[:, 0]
+                     for i in range(k)], dim=1) if k else p_d
+    accept = u * q_d <= p_d
+    # accepted prefix length: number of leading True
+    n_acc = torch.cumprod(accept.long(), dim=1).sum(1)  # [B]
+    # the token after the accepted prefix: residual draw at a rejection, bonus draw otherwise
+    idx = n_acc.clamp(max=k)
+    p_at = p.gather(1, idx[:, None, None].expand(b, 1, v)).squeeze(1)
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # no draft after the last one
+    q_at = q_pad.gather(1, idx[:, None, None].expand(b, 1, v)).squeeze(1)
+    residual = (p_at - q_at).clamp(min=0)
+    all_accepted = n_acc == k
+    # Where p == q exactly the residual is empty; the rule is then never reached (the draft is
+    # always accepted), but keep the draw well defined.
+    residual = torch.where((residual.sum(-1, keepdim=True) > 0) & ~all_accepted[:, None],
+                           residual, p_at)
+    last_step = steps + n_acc
+    salt = torch.where(all_accepted, seeds, seeds ^ SALT_RESIDUAL)
+    extra = draw_from_probs(residual, salt, last_step)
+    tokens = torch.cat([draft, torch.zeros_like(draft[:, :1])], dim=1)
+    tokens = tokens.scatter(1, idx[:, None], extra[:, None])
+    return tokens, n_acc + 1

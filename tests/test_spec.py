@@ -1,0 +1,138 @@
+"""Speculative decoding: greedy output equals plain decoding, sampling stays lossless, sync and
+async accept the same drafts, bad configurations are refused, lifecycles keep working."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from conftest import make_hf_model
+from graphexec import LLM, Engine, SamplingParams, SpeculativeConfig
+from graphexec.kernels.rejection import SALT_DRAFT, draw_from_probs, rejection_sample_ref
+from test_lifecycle_state_machine import AsyncEqualsSync
+
+PROMPTS = [[random.Random(i).randrange(2, 512) for _ in range(3 + 7 * i)] for i in range(6)]
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    return [o.token_ids for o in LLM("tiny", max_batch=8).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("draft", ["self:2", "self:1", "tiny"])
+def test_greedy_speculative_equals_plain(plain_greedy, draft, k, async_scheduling):
+    llm = LLM("tiny", max_batch=8, async_scheduling=async_scheduling,
+              speculative=SpeculativeConfig(draft, k))
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_greedy
+    drafted = sum(o.num_drafted_tokens for o in outs)
+    rate = sum(o.num_accepted_tokens for o in outs) / drafted
+    if draft == "self:2":  # the whole target: always right
+        assert rate == 1.0
+    else:  # a weak draft: mostly wrong, and the output is still exact
+        assert rate < 0.5
+
+
+def test_acceptance_is_the_same_in_sync_and_async():
+    spec = SpeculativeConfig("self:1", 3)
+    rng = random.Random(4)
+    params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.7]),
+                             top_k=rng.choice([-1, 20]), seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    runs = [LLM("tiny", max_batch=4, async_scheduling=a, speculative=spec).generate(PROMPTS,
+                                                                                     params)
+            for a in (False, True)]
+    for s, a in zip(*runs):
+        assert s.token_ids == a.token_ids
+        assert (s.num_drafted_tokens, s.num_accepted_tokens) == \
+            (a.num_drafted_tokens, a.num_accepted_tokens)
+    assert sum(o.num_accepted_tokens for o in runs[0]) > 0
+
+
+def _chi2_critical(df: int) -> float:
+    # Wilson-Hilferty approximation of the 0.999 quantile of chi-square(df).
+    z = 3.09
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_sampler_is_lossless(k):
+    """Drafts drawn from q, verified against p: the first emitted token is distributed as p."""
+    torch.manual_seed(k)
+    v, n = 8, 40000
+    p = torch.softmax(torch.randn(v) * 1.5, -1)
+    q = torch.softmax(torch.randn(v) * 1.5, -1)
+    P = p.expand(n, k + 1, v).contiguous()
+    Q = q.expand(n, k, v).contiguous()
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 13
+    steps = torch.zeros(n, dtype=torch.int64)
+    drafts = torch.stack([draw_from_probs(Q[:, j], seeds ^ SALT_DRAFT, steps + j)
+                          for j in range(k)], dim=1)
+    tokens, count = rejection_sample_ref(P, Q, drafts, seeds, steps)
+    first = tokens[:, 0]
+    observed = torch.bincount(first, minlength=v).double()
+    expected = p.double() * n
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi2 < _chi2_critical(v - 1), chi2
+    assert ((count >= 1) & (count <= k + 1)).all()
+
+
+def test_speculative_sampling_matches_plain_distribution(tmp_path):
+    """End to end on a 16-token vocabulary: the joint distribution of the first two emitted
+    tokens is the same with speculation (a different draft model) as without."""
+    target, draft = str(tmp_path / "t"), str(tmp_path / "d")
+    make_hf_model(target, "llama", seed=1, std=0.15, vocab=16)
+    make_hf_model(draft, "llama", seed=2, std=0.15, vocab=16)
+    n, cells = 6000, 16 * 16
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(n)]
+    counts = []
+    for spec in (None, SpeculativeConfig(draft, 2)):
+        llm = LLM(target, max_batch=64, num_kv_blocks=256, speculative=spec)
+        outs = llm.generate([[3, 5, 7]] * n, params)
+        pair = torch.tensor([o.token_ids[1] * 16 + o.token_ids[2] for o in outs])
+        counts.append(torch.bincount(pair, minlength=cells).double())
+        if spec is not None:
+            drafted = sum(o.num_drafted_tokens for o in outs)
+            assert 0 < sum(o.num_accepted_tokens for o in outs) < drafted
+    a, b = counts
+    used = (a + b) > 0
+    chi2 = (((a - b) ** 2) / (a + b))[used].sum().item()  # two-sample, equal sizes
+    assert chi2 < _chi2_critical(int(used.sum()) - 1), chi2
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(draft="self:2", num_tokens=0), "num_tokens"),
+    (dict(draft="self:2", num_tokens=9), "num_tokens"),
+    (dict(draft="", num_tokens=2), "draft"),
+])
+def test_bad_speculative_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**kw)
+
+
+def test_bad_drafts(tmp_path):
+    with pytest.raises(ValueError, match="self:3"):
+        Engine("tiny", speculative=SpeculativeConfig("self:3", 2))
+    with pytest.raises(ValueError, match="vocab"):
+        Engine("tiny", speculative=SpeculativeConfig("qwen3-0.6b", 2))
+    small = str(tmp_path / "small")
+    make_hf_model(small, "llama", vocab=512)  # max_position_embeddings=512
+    with pytest.raises(ValueError, match="positions"):
+        Engine("tiny", max_model_len=1024, speculative=SpeculativeConfig(small, 2))
+    with pytest.raises(ValueError, match="speculative"):
+        Engine("tiny", speculative="self:1")
+
+
+class AsyncEqualsSyncSpeculative(AsyncEqualsSync):
+    ENGINE = dict(speculative=SpeculativeConfig("self:1", 3))
+
+
+def test_lifecycle_state_machine_with_speculation():
+    run_state_machine_as_test(AsyncEqualsSyncSpeculative, settings=settings(
+        max_examples=15, stateful_step_count=30, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
