@@ -11,30 +11,31 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .state import Variant
 
 
 @dataclass
 class BucketReport:
     bucket: int
-    with_logprobs: bool
+    variant: Variant
     capture_ms: float
     graph_mib: float
 
 
 @dataclass
 class GraphSet:
-    graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = field(default_factory=dict)
     reports: list[BucketReport] = field(default_factory=list)
     pool: object = None
 
-    def has(self, bucket: int, with_logprobs: bool) -> bool:
-        return (bucket, with_logprobs) in self.graphs
+    def has(self, bucket: int, variant: Variant) -> bool:
+        return (bucket, variant) in self.graphs
 
-    def replay(self, bucket: int, with_logprobs: bool) -> None:
-        self.graphs[(bucket, with_logprobs)].replay()
+    def replay(self, bucket: int, variant: Variant) -> None:
+        self.graphs[(bucket, variant)].replay()
 
     @classmethod
-    def capture(cls, runner, buckets: list[int], logprobs_variants=(False, True),
+    def capture(cls, runner, buckets: list[int], variants: list[Variant],
                 progress: bool = True) -> "GraphSet":
         """Captures every bucket, largest first so the smaller ones reuse its pool memory.
         Must run while no request is in the batch: with num_rows == 0 every row is inert, so
@@ -43,7 +44,7 @@ class GraphSet:
         if runner.num_rows != 0:
             raise RuntimeError("graphs must be captured on an empty batch")
         out = cls(pool=torch.cuda.graph_pool_handle())
-        todo = [(b, lp) for b in sorted(buckets, reverse=True) for lp in logprobs_variants]
+        todo = [(b, v) for b in sorted(buckets, reverse=True) for v in variants]
         bar = None
         if progress:
             from tqdm import tqdm

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
-from .state import DecodeState
+from .state import DecodeState, Variant
 
 
 def slot_mapping(state: DecodeState, bucket: int, block_size: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
 
 
 def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket: int,
-                     block_size: int, with_logprobs: bool) -> None:
+                     block_size: int, variant: Variant) -> None:
     rows = slice(0, bucket)
     attn = AttentionInputs(
         slot_mapping=slot_mapping(state, bucket, block_size),
@@ -52,10 +52,10 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
     )
     hidden = model.forward(state.input_ids[rows], state.positions[rows], attn, kv)
     logits = model.compute_logits(hidden)
-    out = sample_rows(model, state, rows, logits, with_logprobs)
+    out = sample_rows(model, state, rows, logits, variant.logprobs)
     tokens = out.tokens
     state.out_tokens[rows, 0] = tokens
-    if with_logprobs:
+    if variant.logprobs:
         state.out_logprob[rows, 0] = out.logprob
         state.out_top_logprobs[rows, 0] = out.top_logprobs
         state.out_top_ids[rows, 0] = out.top_ids

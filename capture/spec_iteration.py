@@ -15,7 +15,7 @@ import torch
 from ..kernels.rejection import (SALT_DRAFT, draw_from_probs, rejection_sample_ref,
                                  sampling_probs_ref)
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
-from .state import DecodeState
+from .state import DecodeState, Variant
 
 
 @dataclass
@@ -39,7 +39,7 @@ def _masked(model: LlamaModel, state: DecodeState, logits: torch.Tensor, bucket:
 
 
 def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv: KVCache,
-                   bucket: int, block_size: int, k: int, with_logprobs: bool) -> None:
+                   bucket: int, block_size: int, k: int, variant: Variant) -> None:
     rows = slice(0, bucket)
     pos0 = state.positions[rows]
     steps = state.steps[rows]
@@ -60,7 +60,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
             break
         logits = _masked(draft.model, state, draft.model.compute_logits(hidden), bucket,
                          steps + j)
-        q = sampling_probs_ref(logits, temp, top_k, top_p)
+        q = sampling_probs_ref(logits, temp, top_k, top_p, variant.filters)
         tok = draw_from_probs(q, seeds ^ SALT_DRAFT, steps + j)
         drafts.append(tok)
         qs.append(q)
@@ -79,13 +79,14 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     step_all = (steps[:, None] + offs[None, :]).reshape(-1)
     logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]),
                                          step_all < rep(state.min_tokens[rows]))
-    p = sampling_probs_ref(logits, rep(temp), rep(top_k), rep(top_p)).view(bucket, k + 1, -1)
+    p = sampling_probs_ref(logits, rep(temp), rep(top_k), rep(top_p), variant.filters)
+    p = p.view(bucket, k + 1, -1)
 
     # 3. accept a prefix, add one corrected or bonus token
     tokens, count = rejection_sample_ref(p, torch.stack(qs, dim=1), draft_tokens, seeds, steps)
     state.out_tokens[rows] = tokens
     state.out_count[rows] = count
-    if with_logprobs:
+    if variant.logprobs:
         chosen, top_vals, top_ids = target.ops.logprobs(raw, tokens.reshape(-1),
                                                         state.out_top_ids.shape[-1])
         state.out_logprob[rows] = chosen.view(bucket, k + 1)

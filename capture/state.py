@@ -8,11 +8,20 @@ their K/V into the scratch block and never into a live one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 MAX_STOP_IDS = 16  # ids masked on the device while a row is below min_tokens
 _NEW_ROW_INTS = 6  # seed, min_tokens, top_k, input_id, position, step
+
+
+class Variant(NamedTuple):
+    """What a launched step computes besides tokens; each variant is its own graph. The host
+    picks it from the rows' parameters, so no row pays for work no row in the batch needs."""
+
+    logprobs: bool = False  # the chosen token's logprob and the top 20
+    filters: bool = True  # top-k / top-p (False: no row uses them)
 
 
 @dataclass

@@ -36,6 +36,7 @@ class EngineConfig:
     buckets: list[int] | None = None
     async_scheduling: bool | None = None  # default: on
     cuda_graphs: bool | None = None  # default: on with CUDA
+    capture_logprobs: bool = True  # False: steps that need logprobs run eagerly (less memory)
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
     speculative: object | None = None  # a SpeculativeConfig
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use

@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .model import KVCache, LlamaModel, ModelConfig, load_weights, preset, random_weights
 from .outputs import RequestOutput
 from .request import Request, Status
+from .capture.state import Variant
 from .runner import Launched, ModelRunner
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Plan, Scheduler
@@ -80,7 +81,9 @@ class Engine:
         if cfg.cuda_graphs:
             from .capture.graphs import GraphSet
 
-            self.runner.graphs = GraphSet.capture(self.runner, cfg.buckets)
+            with_lp = (False, True) if cfg.capture_logprobs else (False,)
+            variants = [Variant(lp, f) for lp in with_lp for f in (False, True)]
+            self.runner.graphs = GraphSet.capture(self.runner, cfg.buckets, variants)
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[_InFlight] = deque()
         self.stats = EngineStats()
@@ -192,7 +195,7 @@ class Engine:
             self.stats.chain_breaks += 1
         self._waits_seen = waits
         self.stats.batch_size_sum += len(plan.rows)
-        launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.with_logprobs)
+        launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant)
         for req in plan.prefill_requests:
             req.in_flight += 1
             req.advance_bound += 1

@@ -10,7 +10,7 @@ import torch
 from .capture.iteration import decode_iteration, sample_rows
 from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing
-from .capture.state import DecodeState, StepDelta, pack_delta
+from .capture.state import DecodeState, StepDelta, Variant, pack_delta
 from .model import AttentionInputs, KVCache, LlamaModel
 from .outputs import TokenLogprob
 
@@ -85,26 +85,26 @@ class ModelRunner:
         self.timeline: list | None = None
         self.wait_seconds = 0.0  # host time spent blocked on results in fetch()
 
-    def iterate(self, bucket: int, with_logprobs: bool) -> None:
+    def iterate(self, bucket: int, variant: Variant) -> None:
         """One decode iteration over the first `bucket` rows, eager (also what graphs capture)."""
         if self.draft is None:
             decode_iteration(self.model, self.state, self.kv, bucket, self.block_size,
-                             with_logprobs)
+                             variant)
         else:
             spec_iteration(self.model, self.draft, self.state, self.kv, bucket, self.block_size,
-                           self.k, with_logprobs)
+                           self.k, variant)
 
     # -- launch -------------------------------------------------------------------------------
 
     def launch(self, delta: StepDelta | None, prefills: list[PrefillRow], bucket: int,
-               with_logprobs: bool) -> Launched:
+               variant: Variant) -> Launched:
         """Enqueues: delta, prefill of new rows, one decode iteration over `bucket` rows, and
         the copy of the results to pinned host memory. Returns without waiting."""
         if delta is not None:
             ints, floats = pack_delta(delta, self.max_rows)
             d_ints, d_floats = self.h2d.put(ints, floats)
             self.state.apply_delta(delta, d_ints, d_floats)
-        pre = self._prefill(prefills, with_logprobs) if prefills else None
+        pre = self._prefill(prefills, variant.logprobs) if prefills else None
         num_decode = delta.num_rows if delta is not None else self.num_rows
         self.num_rows = num_decode
         if num_decode:
@@ -113,13 +113,13 @@ class ModelRunner:
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 self.timeline.append((start, end))
-            if self.graphs is not None and self.graphs.has(bucket, with_logprobs):
-                self.graphs.replay(bucket, with_logprobs)
+            if self.graphs is not None and self.graphs.has(bucket, variant):
+                self.graphs.replay(bucket, variant)
             else:
-                self.iterate(bucket, with_logprobs)
+                self.iterate(bucket, variant)
             if self.timeline is not None:
                 end.record()
-        return self._copy_out(pre, len(prefills), num_decode, with_logprobs)
+        return self._copy_out(pre, len(prefills), num_decode, variant.logprobs)
 
     def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
         bs = self.block_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .capture.state import NewRow, StepDelta
+from .capture.state import NewRow, StepDelta, Variant
 from .block_pool import BlockPool
 from .request import Request, Status
 from .runner import PrefillRow
@@ -24,7 +24,7 @@ class Plan:
     prefill_requests: list[Request]
     rows: list[Request]  # row order at launch: results are matched to requests by it
     bucket: int
-    with_logprobs: bool
+    variant: Variant
 
     @property
     def empty(self) -> bool:
@@ -97,7 +97,10 @@ class Scheduler:
         self.stats.resumed += resumed
         return Plan(step_id=step_id, delta=delta, prefills=prefills, prefill_requests=admitted,
                     rows=list(self.running), bucket=bucket,
-                    with_logprobs=any(r.params.logprobs is not None for r in self.running))
+                    variant=Variant(
+                        logprobs=any(r.params.logprobs is not None for r in self.running),
+                        filters=any(r.params.top_k > 0 or r.params.top_p < 1
+                                    for r in self.running)))
 
     def _missing_blocks(self, req: Request) -> int:
         """Blocks the row lacks for every position its next step may write: from its next input
@@ -146,14 +149,15 @@ class Scheduler:
         return entries
 
     def _resume(self, new_rows: list[NewRow], entries: list[tuple[int, int, int]]) -> int:
-        """Paused rows rejoin, oldest first, once their last token is known and their next
-        block is free. Their KV is intact: they continue from their last token, no prefill."""
+        """Paused rows rejoin, oldest first among those whose last token is known and whose next
+        blocks are free. Their KV is intact: they continue from their last token, no prefill."""
         n = 0
-        while self.paused and len(self.running) < self.max_batch:
-            req = self.paused[0]
-            if not self._can_resume(req):
+        for req in list(self.paused):
+            if len(self.running) >= self.max_batch:
                 break
-            self.paused.pop(0)
+            if not self._can_resume(req):
+                continue  # a later row that fits may still go: no head-of-line deadlock
+            self.paused.remove(req)
             req.blocks += self.pool.allocate(self._missing_blocks(req))
             self._add_row(req, new_rows, entries)
             new_rows[-1].input_id = req.output[-1]

@@ -19,15 +19,17 @@ SALT_RESIDUAL = 0x5D5D_0003
 
 
 def sampling_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor) -> torch.Tensor:
+                       top_p: torch.Tensor, filters: bool = True) -> torch.Tensor:
     """[N, V] -> the distribution the plain sampler draws from: softmax(logits / T) over the
-    tokens top-k and top-p keep, or one-hot on the argmax where temperature == 0."""
+    tokens top-k and top-p keep, or one-hot on the argmax where temperature == 0. filters=False
+    promises that no row uses top-k or top-p."""
     logits = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     scaled = logits / t[:, None]
-    keep = topk_topp_mask(scaled, top_k, top_p)
-    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    if filters:  # the sort behind top-k / top-p only when some row uses them
+        scaled = scaled.masked_fill(~topk_topp_mask(scaled, top_k, top_p), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
 
