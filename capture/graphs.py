@@ -6,6 +6,7 @@ StepDelta) when the batch changes.
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -60,18 +61,28 @@ class GraphSet:
                 run(b, lp)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        # Objects of an earlier engine collected mid-capture free pinned memory and events,
+        # which a capturing stream does not permit: collect now, not during capture.
+        gc.collect()
+        gc.disable()
+        try:
+            out._capture_all(todo, run, bar)
+        finally:
+            gc.enable()
+        if bar is not None:
+            bar.close()
+        return out
+
+    def _capture_all(self, todo, run, bar) -> None:
         for b, lp in todo:
             before = torch.cuda.memory_reserved()
             t0 = time.perf_counter()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=out.pool):
+            with torch.cuda.graph(g, pool=self.pool):
                 run(b, lp)
             torch.cuda.synchronize()
-            out.graphs[(b, lp)] = g
-            out.reports.append(BucketReport(b, lp, (time.perf_counter() - t0) * 1e3,
-                                            (torch.cuda.memory_reserved() - before) / 2**20))
+            self.graphs[(b, lp)] = g
+            self.reports.append(BucketReport(b, lp, (time.perf_counter() - t0) * 1e3,
+                                             (torch.cuda.memory_reserved() - before) / 2**20))
             if bar is not None:
                 bar.update(1)
-        if bar is not None:
-            bar.close()
-        return out

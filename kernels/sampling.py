@@ -59,7 +59,8 @@ def topk_topp_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     in_topk = torch.arange(v, device=scaled.device)[None, :] < k[:, None]
     probs = torch.softmax(sorted_vals.masked_fill(~in_topk, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # mass strictly above each sorted entry
-    kept_sorted = (before < top_p[:, None].float()) & in_topk
+    # top_p >= 1 is off: an fp32 cumsum can reach 1.0 before the last entries and would cut them
+    kept_sorted = ((before < top_p[:, None].float()) | (top_p[:, None] >= 1)) & in_topk
     # smallest kept value; ties with it survive too
     n_kept = kept_sorted.sum(-1).clamp(min=1)
     cutoff = sorted_vals.gather(1, (n_kept - 1)[:, None])

@@ -1,0 +1,378 @@
+"""Triton attention over the paged KV cache: write_kv, split-K paged decode, causal varlen prefill.
+
+Same layout and semantics as kernels/attention.py (the references): cache [num_blocks,
+block_size, Hk, D]; a sequence's token at position p lives in block block_table[p // block_size],
+slot p % block_size. Grids come from tensor shapes only (batch rows, heads, block_tables.shape[1],
+total query tokens), never from tensor values, so every launch can be captured in a CUDA graph;
+per-row lengths are read on the device and only bound loops.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter computes bf16 tl.dot wrongly; there bf16 operands go through fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _ieee_dot(*dtypes: torch.dtype) -> bool:
+    return torch.float32 in dtypes or (_INTERPRET and torch.bfloat16 in dtypes)
+
+
+def _new(shape, dtype, device) -> torch.Tensor:
+    """Every output and workspace of this module is allocated here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _cache_ok(cache: torch.Tensor) -> bool:
+    # Slots of a block must be evenly strided so a flat slot index addresses them.
+    return cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# write_kv
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, D,
+                     sk0, sk1, sv0, sv1, skc, skh, svc, svh,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    if slot >= 0:  # a negative slot means "no write" (the reference would raise)
+        for h0 in range(0, HK, BLOCK_H):
+            h = (h0 + hs).to(tl.int64)
+            mask = (h[:, None] < HK) & (ds[None, :] < D)
+            k = tl.load(k_ptr + t * sk0 + h[:, None] * sk1 + ds[None, :], mask=mask)
+            v = tl.load(v_ptr + t * sv0 + h[:, None] * sv1 + ds[None, :], mask=mask)
+            tl.store(kc_ptr + slot * skc + h[:, None] * skh + ds[None, :],
+                     k.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + slot * svc + h[:, None] * svh + ds[None, :],
+                     v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hk, D]; slot_mapping: [T] flat slot index (block * block_size + offset)."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    if not (_cache_ok(k_cache) and _cache_ok(v_cache)):
+        from .attention import write_kv_ref
+        write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    hk, d = k.shape[1], k.shape[2]
+    block_d = triton.next_power_of_2(d)
+    block_h = min(triton.next_power_of_2(hk), max(1, 4096 // block_d))
+    _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, hk, d,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
+                           v_cache.stride(2), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged decode attention (flash-decoding)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+                         qk_scale, G, D, NUM_SPLITS,
+                         sq0, sq1, skb, sks, skh, svb, svs, svh, sbt0, so0, so1,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DIRECT: tl.constexpr, IEEE: tl.constexpr):
+    """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
+    The context [0, seq_len) is cut into NUM_SPLITS equal runs of whole BLOCK_N tiles, so the
+    work follows the real length while the grid depends on shapes only. Scores are in log2
+    units (qk_scale includes log2(e))."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    seq_len = tl.load(sl_ptr + b)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per = tl.cdiv(n_tiles, NUM_SPLITS)
+    start = sp * tiles_per * BLOCK_N
+    end = tl.minimum(start + tiles_per * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    gmask = g < G
+    dmask = d < D
+    heads = (kh * G + g).to(tl.int64)
+    q = tl.load(q_ptr + b64 * sq0 + heads[:, None] * sq1 + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    kh64 = kh.to(tl.int64)
+    bt_row = bt_ptr + b64 * sbt0
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + n
+        kmask = pos < end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        slot = (pos % BLOCK_SIZE).to(tl.int64)
+        lmask = kmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + (blk * skb + slot * sks + kh64 * skh)[:, None] + d[None, :],
+                    mask=lmask, other=0.0)
+        v = tl.load(v_ptr + (blk * svb + slot * svs + kh64 * svh)[:, None] + d[None, :],
+                    mask=lmask, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    omask = gmask[:, None] & dmask[None, :]
+    if DIRECT:
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
+        tl.store(out_ptr + b64 * so0 + heads[:, None] * so1 + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials: [B, Hq, NUM_SPLITS] for m and l, [B, Hq, NUM_SPLITS, BLOCK_D] for acc.
+        # Every split writes, empty ones too (m = -inf, l = 0, acc = 0).
+        row = (b64 * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp
+        tl.store(pm_ptr + row, m_i, mask=gmask)
+        tl.store(pl_ptr + row, l_i, mask=gmask)
+        tl.store(po_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=omask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D, NUM_SPLITS, so0, so1,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    hq = tl.num_programs(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < NUM_SPLITS
+    row = (b * hq + h) * NUM_SPLITS + s
+    m = tl.load(pm_ptr + row, mask=smask, other=float("-inf"))
+    l = tl.load(pl_ptr + row, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # empty splits weigh nothing
+    acc = tl.load(po_ptr + row[:, None] * BLOCK_D + d[None, :],
+                  mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    acc = tl.where(w[:, None] > 0, acc, 0.0)
+    total = tl.sum(w * l, 0)
+    o = tl.sum(acc * w[:, None], 0)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + b * so0 + h * so1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_n: int,
+                       device: torch.device) -> int:
+    """From host-known sizes only: enough programs to fill the GPU a few times over, no more
+    splits than tiles the block table can address."""
+    max_tiles = max(1, triton.cdiv(max_blocks * block_size, block_n))
+    programs = max(1, b * hk)
+    target = 3 * _sm_count(device)
+    splits = triton.cdiv(target, programs)
+    return max(1, min(splits, max_tiles, 64))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; block_tables [B, M] int32; seq_lens [B] int32 (>= 1). -> [B, Hq, D]."""
+    return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
+
+
+def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            num_splits: int | None) -> torch.Tensor:
+    """decode_attention with the split count forced (tests, tuning); None picks it from the
+    shapes."""
+    b, hq, d = q.shape
+    nb, bs, hk, _ = k_cache.shape
+    out = _new((b, hq, d), q.dtype, q.device)
+    if b == 0:
+        return out
+    if not (_cache_ok(k_cache) and _cache_ok(v_cache)):
+        from .attention import paged_decode_attention_ref
+        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale))
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    g = hq // hk
+    block_g = max(16, triton.next_power_of_2(g))
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n = 64 if block_d <= 128 else 32
+    m = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = _decode_num_splits(b, hk, m, bs, block_n, q.device)
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+    ieee = _ieee_dot(q.dtype, k_cache.dtype)
+    if direct:
+        po = pm = pl = out  # unused
+    else:
+        po = _new((b, hq, num_splits, block_d), torch.float32, q.device)
+        pm = _new((b, hq, num_splits), torch.float32, q.device)
+        pl = _new((b, hq, num_splits), torch.float32, q.device)
+    _decode_split_kernel[(b, hk, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl,
+        float(scale) * _LOG2E, g, d, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        DIRECT=direct, IEEE=ieee, num_warps=4, num_stages=3)
+    if not direct:
+        _decode_reduce_kernel[(b, hq)](
+            po, pm, pl, out, d, num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Causal varlen prefill over the paged cache
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
+                    qk_scale, N, G, D,
+                    sq0, sq1, skb, sks, skh, svb, svs, svh, sbt0, so0, so1,
+                    BLOCK_SEQ: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile, h): query tile `tile` of the packed batch, where each sequence's queries
+    are cut into tiles of BLOCK_M starting at its own first query; the program finds its
+    sequence by a prefix sum over the per-sequence tile counts. Extra programs do nothing."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = (h // G).to(tl.int64)
+    h64 = h.to(tl.int64)
+    i = tl.arange(0, BLOCK_SEQ)
+    imask = i < N
+    cs = tl.load(cu_ptr + i, mask=imask, other=0)
+    ce = tl.load(cu_ptr + i + 1, mask=imask, other=0)
+    ntile = tl.where(imask, tl.cdiv(ce - cs, BLOCK_M), 0)
+    cum = tl.cumsum(ntile, 0)
+    seq = tl.sum((cum <= tile).to(tl.int32), 0)
+    if seq < N:
+        first = tl.sum(tl.where(i < seq, ntile, 0), 0)
+        mt = tile - first
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        seq_len = tl.load(sl_ptr + seq)
+        offset = seq_len - q_len  # cached prefix before the first query
+
+        mrows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        qmask = mrows < q_len
+        q_pos = offset + mrows
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        tok = (q_start + mrows).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * sq0 + h64 * sq1 + d[None, :],
+                    mask=qmask[:, None] & dmask[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = offset + tl.minimum((mt + 1) * BLOCK_M, q_len)
+        kv_end = tl.minimum(kv_end, seq_len)
+        bt_row = bt_ptr + seq.to(tl.int64) * sbt0
+        n = tl.arange(0, BLOCK_N)
+        for n0 in range(0, kv_end, BLOCK_N):
+            pos = n0 + n
+            kmask = pos < kv_end
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+            slot = (pos % BLOCK_SIZE).to(tl.int64)
+            lmask = kmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + (blk * skb + slot * sks + kh * skh)[:, None] + d[None, :],
+                        mask=lmask, other=0.0)
+            v = tl.load(v_ptr + (blk * svb + slot * svs + kh * svh)[:, None] + d[None, :],
+                        mask=lmask, other=0.0)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                           input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            ok = kmask[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
+        tl.store(out_ptr + tok[:, None] * so0 + h64 * so1 + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal varlen attention. q: [T, Hq, D] packed; sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last tokens (query j at seq_lens[i] - q_len + j)."""
+    t, hq, d = q.shape
+    nb, bs, hk, _ = k_cache.shape
+    n_seq = seq_lens.shape[0]
+    out = _new((t, hq, d), q.dtype, q.device)
+    if t == 0 or n_seq == 0:
+        return out
+    if not (_cache_ok(k_cache) and _cache_ok(v_cache)):
+        from .attention import paged_prefill_attention_ref
+        out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                              block_tables, scale))
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    g = hq // hk
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = 64 if t >= 64 else max(16, triton.next_power_of_2(t))
+    ieee = _ieee_dot(q.dtype, k_cache.dtype)
+    block_n = 32 if (ieee or block_d > 128) else 64
+    n_tiles = triton.cdiv(t, block_m) + n_seq  # >= sum_i cdiv(q_len_i, block_m)
+    _prefill_kernel[(n_tiles, hq)](
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
+        float(scale) * _LOG2E, n_seq, g, d,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SEQ=max(2, triton.next_power_of_2(n_seq)), BLOCK_SIZE=bs, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, num_warps=4, num_stages=2)
+    return out

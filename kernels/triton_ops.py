@@ -1,0 +1,48 @@
+"""The Triton implementation of `Ops` (CUDA). Every function has the signature and semantics of
+the reference it replaces (kernels/attention.py, rmsnorm.py, rope.py, sampling.py) and launches
+with grids taken from tensor shapes only, so a decode iteration built from them can be captured
+in a CUDA graph. mask_stop_tokens and logprobs stay the references (graph-safe torch ops)."""
+from __future__ import annotations
+
+import os
+
+
+def _interpreter_compat() -> None:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1) holds scalars as 1-element arrays and turns
+    them into Python ints with int(array), which numpy >= 2.3 refuses for arrays of ndim 1;
+    loops with tensor bounds (range(start, seq_len)) then fail. Take the element instead."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_graphexec_index_patch", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._graphexec_index_patch = True
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    _interpreter_compat()
+
+from . import attention_triton, norm_rope_triton, sampling_triton  # noqa: E402
+from . import Ops  # noqa: E402
+from .sampling import logprobs_ref, mask_stop_tokens_ref  # noqa: E402
+
+TRITON_OPS = Ops(
+    name="triton",
+    rms_norm=norm_rope_triton.rms_norm,
+    add_rms_norm=norm_rope_triton.add_rms_norm,
+    apply_rope=norm_rope_triton.apply_rope,
+    write_kv=attention_triton.write_kv,
+    decode_attention=attention_triton.decode_attention,
+    prefill_attention=attention_triton.prefill_attention,
+    sample=sampling_triton.sample,
+    mask_stop_tokens=mask_stop_tokens_ref,
+    logprobs=logprobs_ref,
+)

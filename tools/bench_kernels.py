@@ -1,0 +1,261 @@
+"""Microbenchmarks of the Triton kernels on CUDA.
+
+    python tools/bench_kernels.py --out kernels.json
+
+Reports, for each kernel, the time per call measured two ways: replayed from a CUDA graph
+(`graph_us`, how the engine runs a decode step; no launch overhead) and eagerly with CUDA events
+(`eager_us`, with the L2 flushed between calls by triton.testing.do_bench). Bandwidth figures use
+bytes read + written over graph_us and are compared with a large device-to-device copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _graph_time_us(fn, reps: int = 20) -> float:
+    """Median time of one call, from a CUDA graph holding `reps` back-to-back calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(15):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / reps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _eager_time_us(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1000.0
+
+
+def _copy_bandwidth() -> dict:
+    """Device-to-device copy of 1 GiB, bytes read + written over time: torch's copy_ and a plain
+    Triton copy kernel; the faster one is the reference for the memory-bound kernels."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+    n = 1 << 28  # fp32 elements: 1 GiB
+    src = torch.empty(n, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    src.fill_(1.0)
+    nbytes = 2 * 4 * n
+    torch_us = _graph_time_us(lambda: dst.copy_(src), reps=5)
+    triton_us = _graph_time_us(
+        lambda: _copy[(triton.cdiv(n, 4096),)](src, dst, n, BLOCK=4096, num_warps=8), reps=5)
+    del src, dst
+    best = min(torch_us, triton_us)
+    return {"bytes": nbytes, "torch_copy_us": torch_us, "triton_copy_us": triton_us,
+            "torch_GB_per_s": nbytes / (torch_us * 1e-6) / 1e9,
+            "triton_GB_per_s": nbytes / (triton_us * 1e-6) / 1e9,
+            "GB_per_s": nbytes / (best * 1e-6) / 1e9}
+
+
+def _paged_cache(b, ctx, hk, d, bs, dtype, extra_cols=0):
+    blocks_per = (ctx + bs - 1) // bs
+    nb = b * blocks_per + 1
+    k = torch.randn(nb, bs, hk, d, device="cuda", dtype=dtype)
+    v = torch.randn(nb, bs, hk, d, device="cuda", dtype=dtype)
+    perm = torch.randperm(b * blocks_per, device="cuda").int()
+    tables = torch.full((b, blocks_per + extra_cols), nb - 1, dtype=torch.int32, device="cuda")
+    tables[:, :blocks_per] = perm.view(b, blocks_per)
+    return k, v, tables
+
+
+def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dict:
+    from graphexec.kernels import attention as attn_ref
+    from graphexec.kernels import rmsnorm as norm_ref
+    from graphexec.kernels import rope as rope_ref
+    from graphexec.kernels import sampling as samp_ref
+    from graphexec.kernels import attention_triton as at
+    from graphexec.kernels.triton_ops import TRITON_OPS as ops
+
+    assert torch.cuda.is_available(), "bench_kernels needs CUDA"
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    results: dict = {"device": props.name, "torch": torch.__version__}
+    import triton
+
+    results["triton"] = triton.__version__
+    copy = _copy_bandwidth()
+    results["copy"] = copy
+    copy_gbps = copy["GB_per_s"]
+    rows = []
+
+    def record(name, fn, nbytes=None, ref_fn=None, extra=None):
+        g_us = _graph_time_us(fn)
+        e_us = _eager_time_us(fn)
+        entry = {"graph_us": g_us, "eager_us": e_us}
+        if nbytes is not None:
+            gbps = nbytes / (g_us * 1e-6) / 1e9
+            entry.update(bytes=nbytes, GB_per_s=gbps, frac_of_copy=gbps / copy_gbps)
+        if ref_fn is not None:
+            entry["reference_graph_us"] = _graph_time_us(ref_fn, reps=3)
+        if extra:
+            entry.update(extra)
+        results[name] = entry
+        rows.append((name, entry))
+        torch.cuda.empty_cache()
+
+    # --- paged decode attention: Llama-8B heads, batch 64, context 2048, bf16, block 16
+    b, ctx, hq, hk, d, bs = 64, 2048, 32, 8, 128, 16
+    dtype = torch.bfloat16
+    k, v, tables = _paged_cache(b, ctx, hk, d, bs, dtype)
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+    sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    kv_bytes = 2 * b * ctx * hk * d * k.element_size()
+    io_bytes = kv_bytes + 2 * q.numel() * q.element_size() + tables.numel() * 4
+    scale = d ** -0.5
+    splits = at._decode_num_splits(b, hk, tables.shape[1], bs, 64, q.device)
+    record("decode_attention_b64_ctx2048",
+           lambda: ops.decode_attention(q, k, v, tables, sl, scale), io_bytes,
+           ref_fn=lambda: attn_ref.paged_decode_attention_ref(q, k, v, tables, sl, scale),
+           extra={"num_splits": splits})
+    for s in (1, 2, 4, 8):
+        record(f"decode_attention_b64_ctx2048_splits{s}",
+               lambda s=s: at.decode_attention_splits(q, k, v, tables, sl, scale, s), io_bytes)
+    # the engine's block tables are as wide as the longest context allowed (here 32k)
+    wide = tables[:, :1].repeat(1, 32768 // bs)
+    wide[:, :tables.shape[1]] = tables
+    record("decode_attention_b64_ctx2048_table32k",
+           lambda: ops.decode_attention(q, k, v, wide, sl, scale), io_bytes,
+           extra={"num_splits": at._decode_num_splits(b, hk, wide.shape[1], bs, 64, q.device)})
+    del k, v, tables, wide
+    torch.cuda.empty_cache()
+    # small batch, long context (split-K matters here)
+    b2, ctx2 = 4, 8192
+    k, v, tables = _paged_cache(b2, ctx2, hk, d, bs, dtype)
+    q2 = torch.randn(b2, hq, d, device="cuda", dtype=dtype)
+    sl2 = torch.full((b2,), ctx2, dtype=torch.int32, device="cuda")
+    io2 = 2 * b2 * ctx2 * hk * d * 2 + 2 * q2.numel() * 2
+    record("decode_attention_b4_ctx8192",
+           lambda: ops.decode_attention(q2, k, v, tables, sl2, scale), io2,
+           extra={"num_splits": at._decode_num_splits(b2, hk, tables.shape[1], bs, 64,
+                                                      q2.device)})
+    del k, v, tables
+
+    # --- prefill: one 2048-token prompt, Llama-8B heads
+    t = 2048
+    k, v, tables = _paged_cache(1, t, hk, d, bs, dtype)
+    qp = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    slp = torch.tensor([t], dtype=torch.int32, device="cuda")
+    flops = 4 * hq * d * t * t / 2  # causal
+    record("prefill_attention_t2048", lambda: ops.prefill_attention(qp, k, v, cu, slp, tables,
+                                                                     scale))
+    results["prefill_attention_t2048"]["TFLOP_per_s"] = (
+        flops / (results["prefill_attention_t2048"]["graph_us"] * 1e-6) / 1e12)
+    del k, v, tables
+
+    # --- sampling: batch 64, vocab 128256
+    bsz, vocab = 64, 128256
+    logits = torch.randn(bsz, vocab, device="cuda") * 2.0
+    temp = torch.full((bsz,), 0.8, device="cuda")
+    top_k = torch.full((bsz,), 50, dtype=torch.int64, device="cuda")
+    top_p = torch.full((bsz,), 0.9, device="cuda")
+    seeds = torch.arange(bsz, device="cuda", dtype=torch.int64)
+    steps = torch.zeros(bsz, device="cuda", dtype=torch.int64)
+    lb = logits.numel() * 4
+    record("sample_b64_v128256_topk50_topp0.9",
+           lambda: ops.sample(logits, temp, top_k, top_p, seeds, steps), lb,
+           ref_fn=lambda: samp_ref.sample_ref(logits, temp, top_k, top_p, seeds, steps))
+    no_k = torch.zeros_like(top_k)
+    no_p = torch.ones_like(top_p)
+    record("sample_b64_v128256_plain", lambda: ops.sample(logits, temp, no_k, no_p, seeds, steps),
+           lb)
+    record("sample_b64_v128256_greedy",
+           lambda: ops.sample(logits, torch.zeros_like(temp), no_k, no_p, seeds, steps), lb)
+    record("sample_b64_v128256_topp0.9_only",
+           lambda: ops.sample(logits * 4, temp, no_k, top_p, seeds, steps), lb,
+           extra={"note": "peaked logits (x8 randn): top-p bound found from the chunk tables"})
+    flat = torch.randn(bsz, vocab, device="cuda") * 0.1
+    record("sample_b64_v128256_topp0.9_flat",
+           lambda: ops.sample(flat, temp, no_k, top_p, seeds, steps), lb,
+           extra={"note": "flat logits: every row takes the exact full-row fallback"})
+    del logits, flat
+
+    # --- norms, rope, write_kv at decode sizes (64 tokens, Llama-8B)
+    hidden = 4096
+    x = torch.randn(64, hidden, device="cuda", dtype=dtype)
+    r = torch.randn_like(x)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    record("rms_norm_64x4096", lambda: ops.rms_norm(x, w, 1e-5), 2 * x.numel() * 2,
+           ref_fn=lambda: norm_ref.rms_norm_ref(x, w, 1e-5))
+    record("add_rms_norm_64x4096", lambda: ops.add_rms_norm(x, r, w, 1e-5), 4 * x.numel() * 2,
+           ref_fn=lambda: norm_ref.add_rms_norm_ref(x, r, w, 1e-5))
+    qkv = torch.randn(64, (hq + 2 * hk) * d, device="cuda", dtype=dtype)
+    qq, kk, vv = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    qq = qq.reshape(64, hq, d)
+    kk = kk.reshape(64, hk, d)
+    vv = vv.reshape(64, hk, d)
+    cos, sin = rope_ref.rope_cos_sin(8192, d, 500000.0, device="cuda")
+    pos = torch.randint(0, 8192, (64,), device="cuda")
+    record("rope_64tok_32q8k_d128", lambda: ops.apply_rope(qq, kk, pos, cos, sin),
+           2 * (qq.numel() + kk.numel()) * 2,
+           ref_fn=lambda: rope_ref.apply_rope_ref(qq, kk, pos, cos, sin))
+    kc = torch.zeros(1024, 16, hk, d, device="cuda", dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(1024 * 16, device="cuda")[:64]
+    record("write_kv_64tok", lambda: ops.write_kv(kc, vc, kk, vv, slots),
+           4 * kk.numel() * 2)
+
+    if verbose:
+        print(f"device: {results['device']}  torch {results['torch']}  triton {results['triton']}")
+        print(f"copy bandwidth: {copy_gbps:.0f} GB/s (1 GiB device-to-device, read + write; "
+              f"torch copy_ {copy['torch_GB_per_s']:.0f}, Triton copy "
+              f"{copy['triton_GB_per_s']:.0f})")
+        print(f"{'kernel':44s} {'graph us':>9s} {'eager us':>9s} {'GB/s':>7s} {'of copy':>8s}"
+              f" {'ref us':>8s}")
+        for name, e in rows:
+            gb = f"{e['GB_per_s']:.0f}" if "GB_per_s" in e else ""
+            fr = f"{e['frac_of_copy'] * 100:.0f}%" if "frac_of_copy" in e else ""
+            ref = f"{e['reference_graph_us']:.1f}" if "reference_graph_us" in e else ""
+            print(f"{name:44s} {e['graph_us']:9.1f} {e['eager_us']:9.1f} {gb:>7s} {fr:>8s}"
+                  f" {ref:>8s}")
+        if "TFLOP_per_s" in results["prefill_attention_t2048"]:
+            print(f"prefill attention: "
+                  f"{results['prefill_attention_t2048']['TFLOP_per_s']:.0f} TFLOP/s (causal)")
+    if out_json_path:
+        with open(out_json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    bench_kernels(args.out)
+
+
+if __name__ == "__main__":
+    main()
