@@ -34,9 +34,13 @@ def check_blocks(engine: Engine) -> None:
         assert oldest is not None and all(sid >= oldest for sid, _ in sched.deferred)
 
 
-def drain(engine: Engine, collected: dict) -> None:
-    while engine.has_unfinished():
+def drain(engine: Engine, collected: dict, max_steps: int = 5000) -> None:
+    """Steps until done; a livelock fails here instead of hanging the suite."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
         collect(engine.step(), collected)
+    raise AssertionError(f"no end after {max_steps} steps: {engine.stats_summary()}")
 
 
 def collect(outputs, collected: dict) -> None:
