@@ -11,13 +11,6 @@ from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .state import DecodeState, Variant
 
 
-def slot_mapping(state: DecodeState, bucket: int, block_size: int) -> torch.Tensor:
-    pos = state.positions[:bucket]
-    col = pos // block_size
-    block = state.block_tables[:bucket].gather(1, col[:, None]).squeeze(1).long()
-    return block * block_size + pos % block_size
-
-
 @dataclass
 class SampleOut:
     tokens: torch.Tensor  # [n]
@@ -32,7 +25,9 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
     with the sampling parameters and RNG counters those rows hold."""
     ops = model.ops
     steps = state.steps[rows]
-    masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps < state.min_tokens[rows])
+    # Logprobs are of the raw distribution: keep the unmasked logits only when they are asked.
+    masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps < state.min_tokens[rows],
+                                  inplace=not with_logprobs)
     tokens = ops.sample(masked, state.temperature[rows], state.top_k[rows], state.top_p[rows],
                         state.seeds[rows], steps)
     if not with_logprobs:
@@ -44,12 +39,11 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
 def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket: int,
                      block_size: int, variant: Variant) -> None:
     rows = slice(0, bucket)
-    attn = AttentionInputs(
-        slot_mapping=slot_mapping(state, bucket, block_size),
-        block_tables=state.block_tables[rows],
-        seq_lens=(state.positions[rows] + 1).to(torch.int32),
-        cu_seqlens_q=None,
-    )
+    ops = model.ops
+    slots, seq_lens = ops.decode_metadata(state.positions[rows], state.block_tables[rows],
+                                          block_size)
+    attn = AttentionInputs(slot_mapping=slots, block_tables=state.block_tables[rows],
+                           seq_lens=seq_lens)
     hidden = model.forward(state.input_ids[rows], state.positions[rows], attn, kv)
     logits = model.compute_logits(hidden)
     out = sample_rows(model, state, rows, logits, variant.logprobs)
@@ -60,7 +54,5 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
         state.out_top_logprobs[rows, 0] = out.top_logprobs
         state.out_top_ids[rows, 0] = out.top_ids
     # Advance live rows only; padding rows stay inert (position 0, scratch block).
-    live = (torch.arange(bucket, device=state.device) < state.num_rows).long()
-    state.input_ids[rows] = tokens * live
-    state.positions[rows] += live
-    state.steps[rows] += live
+    ops.advance(tokens, state.input_ids[rows], state.positions[rows], state.steps[rows],
+                state.num_rows)

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from . import attention, rmsnorm, rope, sampling
+from . import activation, advance, attention, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
@@ -17,11 +17,15 @@ class Ops:
     add_rms_norm: Callable
     apply_rope: Callable
     write_kv: Callable
+    rope_write_kv: Callable  # apply_rope + write_kv in one pass: what the model calls
+    silu_mul: Callable
     decode_attention: Callable
     prefill_attention: Callable
     sample: Callable
     mask_stop_tokens: Callable
     logprobs: Callable
+    decode_metadata: Callable
+    advance: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -30,11 +34,15 @@ REFERENCE_OPS = Ops(
     add_rms_norm=rmsnorm.add_rms_norm_ref,
     apply_rope=rope.apply_rope_ref,
     write_kv=attention.write_kv_ref,
+    rope_write_kv=rope.rope_write_kv_ref,
+    silu_mul=activation.silu_mul_ref,
     decode_attention=attention.paged_decode_attention_ref,
     prefill_attention=attention.paged_prefill_attention_ref,
     sample=sampling.sample_ref,
     mask_stop_tokens=sampling.mask_stop_tokens_ref,
     logprobs=sampling.logprobs_ref,
+    decode_metadata=advance.decode_metadata_ref,
+    advance=advance.advance_ref,
 )
 
 

@@ -119,19 +119,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _rope_rotate(src_ptr, dst_ptr, t64, s0, s1, n_heads, c, s,
+def _rope_rotate(src_ptr, dst_ptr, src_row, s1, dst_row, d1, n_heads, c, s,
                  HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates the n_heads heads at src_ptr + src_row (head stride s1) into dst_ptr + dst_row
+    (head stride d1): a contiguous output or a KV-cache slot."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     for h0 in range(0, n_heads, BLOCK_H):
-        hh = h0 + heads
+        hh = (h0 + heads).to(tl.int64)
         mask = (hh[:, None] < n_heads) & (cols[None, :] < HALF)
-        src = src_ptr + t64 * s0 + hh.to(tl.int64)[:, None] * s1 + cols[None, :]
+        src = src_ptr + src_row + hh[:, None] * s1 + cols[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
         o1 = x1 * c[None, :] - x2 * s[None, :]
         o2 = x2 * c[None, :] + x1 * s[None, :]
-        dst = dst_ptr + (t64 * n_heads + hh.to(tl.int64))[:, None] * (2 * HALF) + cols[None, :]
+        dst = dst_ptr + dst_row + hh[:, None] * d1 + cols[None, :]
         tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -147,8 +149,10 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
     cmask = cols < HALF
     c = tl.load(cos_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
-    _rope_rotate(q_ptr, qo_ptr, t64, sq0, sq1, HQ, c, s, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rope_rotate(k_ptr, ko_ptr, t64, sk0, sk1, HK, c, s, HALF, BLOCK_HK, BLOCK_HALF)
+    _rope_rotate(q_ptr, qo_ptr, t64 * sq0, sq1, t64 * HQ * 2 * HALF, 2 * HALF, HQ, c, s, HALF,
+                 BLOCK_HQ, BLOCK_HALF)
+    _rope_rotate(k_ptr, ko_ptr, t64 * sk0, sk1, t64 * HK * 2 * HALF, 2 * HALF, HK, c, s, HALF,
+                 BLOCK_HK, BLOCK_HALF)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -176,3 +180,68 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
                        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
                        num_warps=4)
     return q_out, k_out
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding fused with the KV-cache write
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr,
+                          cos_ptr, sin_ptr, HQ, HK, HALF, sq0, sq1, sk0, sk1, sv0, sv1, sc0,
+                          skc, skh, svc, svh,
+                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                          BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cmask = cols < HALF
+    c = tl.load(cos_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
+    _rope_rotate(q_ptr, qo_ptr, t64 * sq0, sq1, t64 * HQ * 2 * HALF, 2 * HALF, HQ, c, s, HALF,
+                 BLOCK_HQ, BLOCK_HALF)
+    if slot >= 0:  # a negative slot means "no write", as in write_kv
+        _rope_rotate(k_ptr, kc_ptr, t64 * sk0, sk1, slot * skc, skh, HK, c, s, HALF,
+                     BLOCK_HK, BLOCK_HALF)
+        hs = tl.arange(0, BLOCK_HK).to(tl.int64)
+        ds = tl.arange(0, BLOCK_D)
+        for h0 in range(0, HK, BLOCK_HK):
+            h = h0 + hs
+            mask = (h[:, None] < HK) & (ds[None, :] < 2 * HALF)
+            v = tl.load(v_ptr + t64 * sv0 + h[:, None] * sv1 + ds[None, :], mask=mask)
+            tl.store(vc_ptr + slot * svc + h[:, None] * svh + ds[None, :],
+                     v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """apply_rope then write_kv in one launch: returns the rotated q; the rotated k and v go
+    straight into their cache slots (no intermediate k tensor)."""
+    from .attention_triton import _cache_ok
+
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if not (_cache_ok(k_cache) and _cache_ok(v_cache) and k_cache.dtype == k.dtype):
+        from .rope import rope_write_kv_ref
+        return rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    q_out = _new(q.shape, q.dtype, q.device)
+    if t == 0:
+        return q_out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    half = d // 2
+    block_half = triton.next_power_of_2(half)
+    cap = max(1, 4096 // block_half)
+    block_hq = min(triton.next_power_of_2(hq), cap)
+    block_hk = min(triton.next_power_of_2(hk), cap)
+    _rope_write_kv_kernel[(t,)](
+        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, hq, hk, half,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
+        v_cache.stride(2), BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        BLOCK_D=2 * block_half, num_warps=4)
+    return q_out

@@ -43,3 +43,14 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotates q and k, writes the rotated k and v to their cache slots; returns the rotated q."""
+    from .attention import write_kv_ref
+
+    q, k = apply_rope_ref(q, k, positions, cos, sin)
+    write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+    return q

@@ -30,7 +30,8 @@ def _interpreter_compat() -> None:
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _interpreter_compat()
 
-from . import attention_triton, norm_rope_triton, sampling_triton  # noqa: E402
+from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
+               norm_rope_triton, sampling_triton)
 from . import Ops  # noqa: E402
 from .sampling import logprobs_ref, mask_stop_tokens_ref  # noqa: E402
 
@@ -40,9 +41,13 @@ TRITON_OPS = Ops(
     add_rms_norm=norm_rope_triton.add_rms_norm,
     apply_rope=norm_rope_triton.apply_rope,
     write_kv=attention_triton.write_kv,
+    rope_write_kv=norm_rope_triton.rope_write_kv,
+    silu_mul=activation_triton.silu_mul,
     decode_attention=attention_triton.decode_attention,
     prefill_attention=attention_triton.prefill_attention,
     sample=sampling_triton.sample,
     mask_stop_tokens=mask_stop_tokens_ref,
     logprobs=logprobs_ref,
+    decode_metadata=advance_triton.decode_metadata,
+    advance=advance_triton.advance,
 )

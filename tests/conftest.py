@@ -7,6 +7,14 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
+@pytest.fixture
+def K(monkeypatch):
+    """Kernel tests: the Triton modules, every output allocation poisoned."""
+    from kernel_helpers import poisoned_triton_modules
+
+    return poisoned_triton_modules(monkeypatch)
+
+
 def devices():
     """cpu always; cuda as a `gpu`-marked parameter."""
     return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]

@@ -1,4 +1,4 @@
-"""Benchmarks. `python tools/bench.py decode|kernels|all [--out DIR]`.
+"""Benchmarks. `python tools/bench.py decode|kernels|spec|all [--out DIR]`.
 
 decode: graphexec (async+graphs, sync+graphs, eager) against HuggingFace transformers (eager,
 static cache + torch.compile) with the same prompts and token counts end to end, plus
@@ -48,7 +48,8 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
-                    bandwidth: float, max_batch: int, llm: LLM | None = None) -> tuple[dict, LLM]:
+                    bandwidth: float, max_batch: int, llm: LLM | None = None,
+                    diagnose: bool = False) -> tuple[dict, LLM]:
     mc = preset(model)
     max_len = prompt_len + new + 16
     if llm is None:
@@ -65,6 +66,8 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     runner.timeline = []
     runner.wait_seconds = 0.0
     host_step = []
+    phases = _PhaseTimer(engine) if diagnose else None
+    compiled_before = _triton_cache_entries()
     steps_before = engine.stats.steps
     t0 = time.perf_counter()
     ids = [f"b{i}" for i in range(batch)]
@@ -77,6 +80,11 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     timeline, runner.timeline = runner.timeline, None
+    diag = {}
+    if phases is not None:
+        diag = phases.report(host_step)
+        phases.restore()
+    diag["triton_compiles_in_timed_run"] = _triton_cache_entries() - compiled_before
     steps = engine.stats.steps - steps_before
     # Steady state: steps with every row decoding (skip the first, which holds the prefill).
     tl = timeline[1:-1]
@@ -95,8 +103,59 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
                gpu_idle_frac=sum(gaps) / span if span else float("nan"),
                host_ms_per_step=(sum(host_step) - runner.wait_seconds) / max(steps, 1) * 1e3,
                roofline_ms=roofline * 1e3, roofline_frac=roofline / step_time,
-               chain_breaks=engine.stats.chain_breaks)
+               chain_breaks=engine.stats.chain_breaks, **diag)
     return res, llm
+
+
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache: a rise during a timed run means a JIT compile."""
+    root = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
+
+
+class _PhaseTimer:
+    """Wraps the engine's schedule / launch / reconcile to time each per step (diagnostics:
+    finds the steps where host time goes)."""
+
+    def __init__(self, engine):
+        self.engine, self.rows = engine, []
+        self._orig = (engine.scheduler.schedule, engine._launch, engine._reconcile)
+        sched, launch, recon = self._orig
+        cur = {}
+
+        def timed(name, fn):
+            def run(*a):
+                t = time.perf_counter()
+                out = fn(*a)
+                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t
+                if name == "schedule":
+                    cur["rows"] = len(out.rows)
+                    cur["prefills"] = len(out.prefills)
+                    cur["delta"] = out.delta is not None
+                return out
+            return run
+
+        def schedule(step_id):
+            self.rows.append(cur.copy())
+            cur.clear()
+            return timed("schedule", sched)(step_id)
+
+        engine.scheduler.schedule = schedule
+        engine._launch = timed("launch", launch)
+        engine._reconcile = timed("reconcile", recon)
+        self._cur = cur
+
+    def report(self, host_step: list[float]) -> dict:
+        self.rows.append(self._cur.copy())
+        rows = self.rows[1:]
+        slow = sorted(range(len(host_step)), key=lambda i: -host_step[i])[:5]
+        ms = lambda d: {k: round(v * 1e3, 3) if isinstance(v, float) else v for k, v in d.items()}
+        return dict(slowest_steps=[dict(step=i, host_ms=round(host_step[i] * 1e3, 3),
+                                        **ms(rows[i] if i < len(rows) else {})) for i in slow])
+
+    def restore(self) -> None:
+        e = self.engine
+        del e.scheduler.schedule, e._launch, e._reconcile
 
 
 def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> dict | None:
@@ -138,18 +197,19 @@ def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> di
 
 
 def run_decode(models, batches, shapes, hf_batches, out_dir,
-               hf_kinds=("eager", "static+compile")) -> list[dict]:
+               hf_kinds=("eager", "static+compile"), modes=tuple(MODES),
+               diagnose: bool = False) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
     for model in models:
-        for mode in MODES:
+        for mode in modes:
             llm = None
             for prompt_len, new in shapes:
                 llm = None  # a new engine per shape: max_model_len and KV sized for it
                 for batch in batches:
                     res, llm = bench_graphexec(model, mode, batch, prompt_len, new, bw,
-                                               max(batches), llm)
+                                               max(batches), llm, diagnose)
                     print(json.dumps(res))
                     rows.append(res)
                 del llm
@@ -237,12 +297,16 @@ def markdown(rows: list[dict], command: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["decode", "kernels", "all"])
+    ap.add_argument("what", choices=["decode", "kernels", "spec", "all"])
     ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--batches", nargs="+", type=int, default=None,
+                    help="decode: 1 16 64 256; spec: 1 16 64")
     ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 64])
     ap.add_argument("--shapes", nargs="+", default=["128+128", "1024+256"])
     ap.add_argument("--hf-kinds", nargs="*", default=["eager", "static+compile"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--diagnose", action="store_true",
+                    help="time schedule/launch/reconcile per step, list the slowest steps")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -251,10 +315,20 @@ def main() -> None:
         from bench_kernels import bench_kernels
 
         bench_kernels(os.path.join(args.out, "kernels.json"))
+    if args.what in ("spec", "all"):
+        import bench_spec
+
+        rows = bench_spec.bench_spec(os.path.join(args.out, "spec.json"),
+                                     batches=args.batches or [1, 16, 64])
+        md = bench_spec.markdown(rows, command)
+        with open(os.path.join(args.out, "spec.md"), "w") as f:
+            f.write(md + "\n")
+        print(md)
     if args.what in ("decode", "all"):
         shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
-        rows = run_decode(args.models, args.batches, shapes, args.hf_batches, args.out,
-                          args.hf_kinds)
+        batches = args.batches or [1, 16, 64, 256]
+        rows = run_decode(args.models, batches, shapes, args.hf_batches, args.out,
+                          args.hf_kinds, args.modes, args.diagnose)
         tag = "-".join(args.models)
         plot(rows, os.path.join(args.out, f"decode_{tag}.png"))
         md = markdown(rows, command)

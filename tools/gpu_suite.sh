@@ -1,9 +1,30 @@
 #!/usr/bin/env bash
-# The device run: install, GPU tests, kernel benchmarks. Logs under $OUT (or ./out).
+# The device run: install, GPU tests, step profiles, benchmarks. Logs under $OUT (or ./out).
+# SUITE picks the parts: any of tests profile decode spec kernels (default: tests profile).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+SUITE=${SUITE:-"tests profile"}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/test_gpu.log" | tail -25
-timeout ${BENCH_TIMEOUT:-120} python3 tools/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" | tail -30
+has() { [[ " $SUITE " == *" $1 "* ]]; }
+if has tests; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
+    2>&1 | tee "$OUT/test_gpu.log" | tail -25
+fi
+if has profile; then
+  timeout 150 python3 tools/profile_step.py --model llama-1b --batch 1 64 --out "$OUT" \
+    2>&1 | tee "$OUT/profile.log" | grep -v Warning | head -70
+fi
+if has decode; then
+  timeout ${DECODE_TIMEOUT:-300} python3 tools/bench.py decode ${DECODE_ARGS:-} --out "$OUT" \
+    2>&1 | tee "$OUT/decode.log" | tail -40
+fi
+if has spec; then
+  timeout ${SPEC_TIMEOUT:-300} python3 tools/bench.py spec ${SPEC_ARGS:-} --out "$OUT" \
+    2>&1 | tee "$OUT/spec.log" | tail -30
+fi
+if has kernels; then
+  timeout 120 python3 tools/bench_kernels.py --out "$OUT/kernels.json" 2>&1 \
+    | tee "$OUT/bench_kernels.log" | tail -30
+fi

@@ -106,8 +106,8 @@ class LlamaModel:
         if cfg.qk_norm:
             q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = ops.apply_rope(q, k, positions, self.cos, self.sin)
-        ops.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        q = ops.rope_write_kv(q, k, v, positions, self.cos, self.sin, k_cache, v_cache,
+                              attn.slot_mapping)
         if attn.cu_seqlens_q is None:
             o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                      self.scale)
@@ -117,5 +117,4 @@ class LlamaModel:
         return F.linear(o.reshape(t, cfg.q_size), layer.o)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        return F.linear(self.ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)

@@ -1,0 +1,63 @@
+"""Speculative decoding on the GPU with the iteration captured as graphs: greedy output equals
+plain decoding, sync and async accept the same drafts, lifecycles keep working."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from graphexec import LLM, SamplingParams, SpeculativeConfig
+from test_lifecycle_state_machine import AsyncEqualsSync
+from test_spec import GREEDY, PROMPTS
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# float32: the verify forward runs K+1 tokens per row where plain decode runs one, and in bf16
+# the different GEMM shapes may round a near-tie differently; exactness is a float32 property.
+GPU = dict(device="cuda", dtype="float32", max_batch=8, buckets=[1, 2, 4, 8])
+
+
+@pytest.fixture(scope="module")
+def plain_greedy_gpu():
+    return [o.token_ids for o in LLM("tiny", **GPU).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("draft", ["self:2", "tiny"])
+def test_greedy_speculative_graphs_equal_plain(plain_greedy_gpu, draft, k, async_scheduling):
+    llm = LLM("tiny", async_scheduling=async_scheduling, cuda_graphs=True,
+              speculative=SpeculativeConfig(draft, k), **GPU)
+    assert llm.engine.runner.graphs is not None
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_greedy_gpu
+    rate = sum(o.num_accepted_tokens for o in outs) / sum(o.num_drafted_tokens for o in outs)
+    assert rate == 1.0 if draft == "self:2" else rate < 0.5
+
+
+def test_acceptance_is_the_same_in_sync_and_async_on_gpu():
+    spec = SpeculativeConfig("self:1", 3)
+    rng = random.Random(5)
+    params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.8]),
+                             top_p=rng.choice([1.0, 0.9]), seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    runs = [LLM("tiny", async_scheduling=a, speculative=spec, **GPU).generate(PROMPTS, params)
+            for a in (False, True)]
+    for s, a in zip(*runs):
+        assert s.token_ids == a.token_ids
+        assert (s.num_drafted_tokens, s.num_accepted_tokens) == \
+            (a.num_drafted_tokens, a.num_accepted_tokens)
+    assert sum(o.num_accepted_tokens for o in runs[0]) > 0
+
+
+class AsyncEqualsSyncSpeculativeOnGpu(AsyncEqualsSync):
+    ENGINE = dict(device="cuda", cuda_graphs=True, dtype="float32", buckets=[1, 2, 4],
+                  speculative=SpeculativeConfig("self:1", 3))
+
+
+def test_lifecycle_state_machine_with_speculation_on_gpu():
+    run_state_machine_as_test(AsyncEqualsSyncSpeculativeOnGpu, settings=settings(
+        max_examples=10, stateful_step_count=30, deadline=None, database=None,
+        derandomize=True, suppress_health_check=[HealthCheck.too_slow]))

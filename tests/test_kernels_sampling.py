@@ -1,0 +1,138 @@
+"""The threshold-search sampler against the reference: same tokens, every path, batch
+invariance, and the sampled distribution (chi-square)."""
+import math
+
+import pytest
+import torch
+
+from kernel_helpers import (
+    CPU_MODE, DEV, SAMPLE_MODES, _chi2_critical, _gen, _sample_inputs, big,
+    kernel_test, samp_ref)
+
+
+SAMPLE_SIZES = big([(14, 16), (28, 1000), (64, 32000), (64, 128256), (3, 151936), (256, 500)],
+                   [(14, 16), (28, 300)])
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,v", SAMPLE_SIZES)
+def test_sample_matches_reference(K, b, v):
+    args = _sample_inputs(b, v, 40 + v)
+    ref = samp_ref.sample_ref(*args)
+    out = K.ops.sample(*args)
+    assert out.dtype == torch.int64 and out.shape == (b,)
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("v,knobs", big(
+    [(5000, dict(chunk=512, sub=128, top_r=2, cap=256, small_cap=64)),
+     (128256, dict()),
+     (40000, dict(chunk=1024, sub=256, top_r=1, cap=512, small_cap=128, fb_block=512))],
+    [(1200, dict(chunk=128, sub=32, top_r=1, cap=128, small_cap=32, scan=16, fb_block=128))]))
+def test_sample_every_path(K, v, knobs):
+    """Shrunk knobs send rows down every path: greedy, unfiltered, the two candidate sorts and
+    the exact fallback; all must give the reference's token."""
+    st = K.st
+    chunk, sub = knobs.get("chunk", st.CHUNK), knobs.get("sub", st.SUB)
+    top_r = knobs.get("top_r", st.TOP_R)
+    small, cap = knobs.get("small_cap", st.SMALL_CAP), knobs.get("cap", st.CAP)
+    table = math.ceil(v / chunk) * (chunk // sub) * top_r
+    k_full = (small + min(table, cap)) // 2  # candidates between the two sort sizes
+    modes = SAMPLE_MODES + [(1.0, k_full, 1.0, 3.0), (1.0, k_full, 0.99, 3.0),
+                            (1.0, 100, 0.99, 3.0)]
+    b = len(modes) + big(len(modes), 0)
+    args = _sample_inputs(b, v, 50, modes=modes)
+    path = torch.full((b,), -1, dtype=torch.int32, device=DEV)
+    out = K.st.sample_impl(*args, path=path, **knobs)
+    ref = samp_ref.sample_ref(*args)
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist(), path.tolist())
+    seen = set(path.tolist())
+    assert -1 not in seen
+    assert seen >= {0, 1, 2, 3, 4}, seen
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_sample_batch_invariance(K):
+    """A (seed, step) row gives the same token wherever it sits and whatever the batch."""
+    v = big(50000, 300)
+    logits, temps, ks, ps, seeds, steps = _sample_inputs(14, v, 60)
+    full = K.ops.sample(logits, temps, ks, ps, seeds, steps)
+    perm = torch.randperm(14, generator=_gen(61)).to(DEV)
+    permuted = K.ops.sample(logits[perm], temps[perm], ks[perm], ps[perm], seeds[perm],
+                            steps[perm])
+    assert torch.equal(permuted, full[perm])
+    for i in (0, 5, 13):
+        one = K.ops.sample(logits[i:i + 1], temps[i:i + 1], ks[i:i + 1], ps[i:i + 1],
+                           seeds[i:i + 1], steps[i:i + 1])
+        assert one.item() == full[i].item()
+    # a different step gives (almost surely) a different token for a flat sampled row
+    flat = torch.zeros(1, v, device=DEV)
+    one = torch.ones(1, device=DEV)
+    toks = {K.ops.sample(flat, one, torch.zeros(1, dtype=torch.int64, device=DEV), one,
+                         seeds[:1], torch.tensor([s], device=DEV)).item() for s in range(8)}
+    assert len(toks) > 1
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_sample_greedy_ties_first_index(K):
+    v = big(70000, 200)
+    logits = torch.zeros(3, v, device=DEV)
+    logits[0, [7, 9, v - 1]] = 5.0
+    logits[1, [v - 2, v - 1]] = 1.0
+    logits[2] = -1.0
+    z = torch.zeros(3, device=DEV)
+    out = K.ops.sample(logits, z, torch.zeros(3, dtype=torch.int64, device=DEV),
+                       torch.ones(3, device=DEV), torch.zeros(3, dtype=torch.int64, device=DEV),
+                       torch.zeros(3, dtype=torch.int64, device=DEV))
+    assert out.tolist() == [7, v - 2, 0]
+
+
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("temp,top_k,top_p", big([(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
+                                                  (1.0, 8, 0.9), (2.0, 0, 0.5)],
+                                                 [(0.7, 5, 1.0), (1.0, 0, 0.7)]))
+def test_sample_distribution(K, temp, top_k, top_p):
+    """Draws over distinct steps follow softmax(logits / T) restricted to the kept set."""
+    v = 16
+    n = big(40000, 300)  # the interpreter runs ~30 ms per row
+    g = _gen(70)
+    row = torch.randn(v, generator=g) * 1.5
+    row[3] = row[4]  # a tie
+    logits = row[None, :].expand(n, v).contiguous().to(DEV)
+    temps = torch.full((n,), temp, device=DEV)
+    ks = torch.full((n,), top_k, dtype=torch.int64, device=DEV)
+    ps = torch.full((n,), top_p, device=DEV)
+    seeds = torch.full((n,), 12345, dtype=torch.int64, device=DEV)
+    steps = torch.arange(n, dtype=torch.int64, device=DEV)
+    if CPU_MODE:  # small blocks: the interpreter's time goes with their sizes
+        toks = K.st.sample_impl(logits, temps, ks, ps, seeds, steps, chunk=16, sub=16, cap=16,
+                                small_cap=16, scan=16)
+    else:
+        toks = K.ops.sample(logits, temps, ks, ps, seeds, steps)
+    toks = toks.cpu()
+    scaled = (row / temp)[None, :]
+    keep = samp_ref.topk_topp_mask(scaled, torch.tensor([top_k]), torch.tensor([top_p]))[0]
+    probs = torch.softmax(scaled[0].masked_fill(~keep, float("-inf")), dim=-1).double()
+    counts = torch.bincount(toks, minlength=v).double()
+    assert counts[~keep].sum() == 0, "a masked token was drawn"
+    exp = probs * n
+    # merge cells expected below 5 into one
+    small = (exp < 5) & keep
+    cells_o = counts[keep & ~small].tolist()
+    cells_e = exp[keep & ~small].tolist()
+    if small.any():
+        cells_o.append(float(counts[small].sum()))
+        cells_e.append(float(exp[small].sum()))
+    if len(cells_e) < 2:
+        assert counts[keep].sum() == n
+        return
+    stat = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
+    assert stat < _chi2_critical(len(cells_e) - 1), (stat, cells_o, cells_e)

@@ -1,0 +1,101 @@
+"""Where one decode iteration's GPU time goes: kernel by kernel, inside the captured graph.
+
+`python tools/profile_step.py --model llama-1b --batch 1 [--replays 20] [--out DIR]`
+
+Brings a batch to steady-state decode, then replays its graph under torch.profiler (CUPTI sees
+the kernels inside a graph replay) and prints, per kernel name, calls and GPU time per step,
+plus the sum of kernel time against the wall time of a replay: the difference is the gaps
+between kernels (launch latency inside the graph), which no faster kernel can remove.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from graphexec import LLM, SamplingParams  # noqa: E402
+from graphexec.capture.state import Variant  # noqa: E402
+
+
+def _kernel_times(fn, reps: int) -> dict[str, list]:
+    """kernel name -> [calls, total us] over `reps` calls of fn."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name][0] += 1
+            per_name[ev.name][1] += ev.time_range.elapsed_us()
+    return per_name
+
+
+def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128) -> dict:
+    llm = LLM(model, max_batch=max(batch, 1), max_model_len=prompt_len + 512,
+              buckets=[batch], num_kv_blocks=batch * 48 + 8)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", list(range(3, 3 + prompt_len)), params)
+    for _ in range(4):  # prefill, then plain decode steps with every row running
+        engine.step()
+    torch.cuda.synchronize()
+    variant = Variant(logprobs=False, filters=False)
+    for _ in range(3):
+        runner.graphs.replay(batch, variant)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        runner.graphs.replay(batch, variant)
+    end.record()
+    torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3 / replays
+    per_name = _kernel_times(lambda: runner.graphs.replay(batch, variant), replays)
+    source = "graph replay"
+    if not per_name:  # this CUPTI did not report kernels inside graphs: same kernels, eager
+        per_name = _kernel_times(lambda: runner.iterate(batch, variant), replays)
+        source = "eager iteration"
+    kernels = sorted(((n, c / replays, t / replays) for n, (c, t) in per_name.items()),
+                     key=lambda x: -x[2])
+    busy = sum(t for _, _, t in kernels)
+    launches = sum(c for _, c, _ in kernels)
+    while engine.has_unfinished():  # leave the engine clean
+        for rid in list(engine.requests):
+            if not engine.requests[rid].finished:
+                engine.abort(rid)
+        engine.step()
+    return dict(model=model, batch=batch, kernels_from=source, replay_wall_us=wall_us, kernel_busy_us=busy,
+                gap_us=wall_us - busy, kernels_per_step=launches,
+                kernels=[dict(name=n[:90], calls=c, us=round(t, 2)) for n, c, t in kernels])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for b in args.batch:
+        res = profile_step(args.model, b, args.replays)
+        path = os.path.join(args.out, f"profile_{args.model}_b{b}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"{args.model} batch {b}: replay {res['replay_wall_us']:.1f} us, kernels "
+              f"{res['kernel_busy_us']:.1f} us, gaps {res['gap_us']:.1f} us, "
+              f"{res['kernels_per_step']:.0f} kernels/step")
+        for k in res["kernels"][:25]:
+            print(f"  {k['us']:9.2f} us  x{k['calls']:5.1f}  {k['name']}")
+
+
+if __name__ == "__main__":
+    main()
