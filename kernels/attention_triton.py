@@ -265,7 +265,9 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # Causal varlen prefill over the paged cache
 
 
-@triton.jit
+# N (the number of sequences) changes with every admission batch: specialising on its value
+# (== 1, % 16) would JIT-compile a new variant mid-serving, hundreds of ms on the host loop.
+@triton.jit(do_not_specialize=["N"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
                     qk_scale, N, G, D,
                     sq0, sq1, skb, sks, skh, svb, svs, svh, sbt0, so0, so1,
@@ -373,6 +375,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_SEQ=max(2, triton.next_power_of_2(n_seq)), BLOCK_SIZE=bs, BLOCK_M=block_m,
+        BLOCK_SEQ=max(16, triton.next_power_of_2(n_seq)), BLOCK_SIZE=bs, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, num_warps=4, num_stages=2)
     return out

@@ -25,7 +25,8 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 # RMSNorm
 
 
-@triton.jit
+# Row counts follow the token count of each prefill: no value specialisation (see prefill).
+@triton.jit(do_not_specialize=["n_rows", "inner"])
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
                      n_rows, inner, D, eps,
                      sx0, sx1, sr0, sr1,

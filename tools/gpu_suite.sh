@@ -5,16 +5,17 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 SUITE=${SUITE:-"tests profile"}
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 has() { [[ " $SUITE " == *" $1 "* ]]; }
 if has tests; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
-    2>&1 | tee "$OUT/test_gpu.log" | tail -25
+    -rfE 2>&1 > "$OUT/test_gpu.log"
+  grep -E "passed|failed|error" "$OUT/test_gpu.log" | tail -40
 fi
 if has profile; then
   timeout 150 python3 tools/profile_step.py --model llama-1b --batch 1 64 --out "$OUT" \
-    2>&1 | tee "$OUT/profile.log" | grep -v Warning | head -70
+    2>&1 | grep -v Warning > "$OUT/profile.log"; head -60 "$OUT/profile.log"
 fi
 if has decode; then
   timeout ${DECODE_TIMEOUT:-300} python3 tools/bench.py decode ${DECODE_ARGS:-} --out "$OUT" \
