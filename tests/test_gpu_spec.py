@@ -55,6 +55,7 @@ def test_acceptance_is_the_same_in_sync_and_async_on_gpu():
 class AsyncEqualsSyncSpeculativeOnGpu(AsyncEqualsSync):
     ENGINE = dict(device="cuda", cuda_graphs=True, dtype="float32", buckets=[1, 2, 4],
                   speculative=SpeculativeConfig("self:1", 3))
+    REUSE = {}
 
 
 def test_lifecycle_state_machine_with_speculation_on_gpu():

@@ -1,6 +1,8 @@
 """A random program of arrivals, aborts and steps, driven through an async engine and a sync one
 at once with a KV cache small enough that rows are paused and evicted. Async output must equal
-sync output (sync being one step ahead, async output is always a prefix of it)."""
+sync output. Mid-run neither is a prefix of the other in general: the two engines pause rows at
+different times (async reserves blocks for steps whose tokens it has not read), so a row may be
+ahead in either one; what must hold is that they never disagree on a token both have."""
 import random
 
 import pytest
@@ -14,11 +16,20 @@ from lifecycle_helpers import check_blocks, collect, drain, make_engine, random_
 
 class AsyncEqualsSync(RuleBasedStateMachine):
     ENGINE = {}  # extra Engine options (the GPU variant sets device and graphs)
+    # GPU variants keep their two engines across examples: capturing graphs for every example
+    # would dominate the run, and an engine that survives many programs must end each one clean.
+    REUSE: dict | None = None
 
     def __init__(self):
         super().__init__()
-        self.sync = make_engine(False, **self.ENGINE)
-        self.asyn = make_engine(True, **self.ENGINE)
+        cached = self.REUSE.get("engines") if self.REUSE is not None else None
+        if cached is not None and all(_idle(e) for e in cached):
+            self.sync, self.asyn = cached
+        else:
+            self.sync = make_engine(False, **self.ENGINE)
+            self.asyn = make_engine(True, **self.ENGINE)
+            if self.REUSE is not None:
+                self.REUSE["engines"] = (self.sync, self.asyn)
         self.out_sync: dict = {}
         self.out_async: dict = {}
         self.aborted: set[str] = set()
@@ -54,14 +65,14 @@ class AsyncEqualsSync(RuleBasedStateMachine):
             collect(self.asyn.step(), self.out_async)
 
     @invariant()
-    def async_is_a_prefix_of_sync(self):
+    def streams_agree(self):
         for rid, a in self.out_async.items():
             s = self.out_sync.get(rid)
-            assert s is not None, rid
-            assert s.token_ids[:len(a.token_ids)] == a.token_ids, rid
-            if a.finished and rid not in self.aborted:
-                assert s.finished and s.token_ids == a.token_ids, rid
-                assert s.finish_reason == a.finish_reason, rid
+            if s is None:
+                continue  # sync has emitted nothing for it yet (paused, or its row is waiting)
+            assert _agree(s.token_ids, a.token_ids), rid
+            if a.finished and s.finished and rid not in self.aborted:
+                assert (s.token_ids, s.finish_reason) == (a.token_ids, a.finish_reason), rid
 
     @invariant()
     def blocks_accounted(self):
@@ -75,8 +86,8 @@ class AsyncEqualsSync(RuleBasedStateMachine):
         for rid, s in self.out_sync.items():
             a = self.out_async[rid]
             assert s.finished and a.finished, rid
-            if rid in self.aborted:
-                assert s.token_ids[:len(a.token_ids)] == a.token_ids
+            if rid in self.aborted:  # cut at the same host step, possibly after different counts
+                assert _agree(s.token_ids, a.token_ids), rid
             else:
                 assert (s.token_ids, s.finish_reason) == (a.token_ids, a.finish_reason), rid
         for e in (self.sync, self.asyn):
@@ -87,6 +98,16 @@ class AsyncEqualsSync(RuleBasedStateMachine):
             for k in ("pauses", "evictions"):
                 TALLY[f"{name}_{k}"] = TALLY.get(f"{name}_{k}", 0) + getattr(
                     e.scheduler.stats, k)
+
+
+def _agree(x: list[int], y: list[int]) -> bool:
+    n = min(len(x), len(y))
+    return x[:n] == y[:n]
+
+
+def _idle(engine) -> bool:
+    return (not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_blocks
+            and not engine.requests)
 
 
 TALLY: dict[str, int] = {}  # across examples, printed by -s runs to show pressure happened
@@ -112,6 +133,7 @@ def test_state_machine_hits_pauses_and_evictions():
 class AsyncEqualsSyncOnGpu(AsyncEqualsSync):
     # Sync and async both replay graphs: async + graphs must equal sync + graphs.
     ENGINE = dict(device="cuda", cuda_graphs=True, dtype="float32", buckets=[1, 2, 4])
+    REUSE = {}
 
 
 @pytest.mark.gpu

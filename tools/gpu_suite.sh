@@ -9,9 +9,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 has() { [[ " $SUITE " == *" $1 "* ]]; }
 if has tests; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
-    -rfE 2>&1 > "$OUT/test_gpu.log"
-  grep -E "passed|failed|error" "$OUT/test_gpu.log" | tail -40
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -m gpu tests/ -p no:cacheprovider --durations=25 \
+    -rfE > "$OUT/test_gpu.log" 2>&1
+  grep -E "FAILED|ERROR| passed| failed|slowest|^[0-9.]+s " "$OUT/test_gpu.log" | tail -60
 fi
 if has profile; then
   timeout 150 python3 tools/profile_step.py --model llama-1b --batch 1 64 --out "$OUT" \
