@@ -2,7 +2,7 @@ PYTHON ?= python3
 # On a machine without CUDA, install the local CPU build of torch; never an unpinned torch.
 HAS_CUDA := $(shell $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && echo 1)
 
-.PHONY: install install-test demo test test-gpu bench capture
+.PHONY: install install-test demo test test-gpu fuzz bench capture
 
 install:
 ifneq ($(HAS_CUDA),1)
@@ -24,6 +24,11 @@ test: install-test
 test-gpu:
 	$(PYTHON) -m pip install -q --no-deps -e .
 	$(PYTHON) -m pytest -q -m gpu
+
+# The lifecycle state machines under fresh random seeds (CI runs them derandomized).
+fuzz: install-test
+	$(PYTHON) tools/fuzz_lifecycle.py --machine plain --seeds 0 10
+	$(PYTHON) tools/fuzz_lifecycle.py --machine spec --seeds 0 10
 
 bench:
 	$(PYTHON) tools/bench.py all

@@ -105,6 +105,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt = self._validate_prompt(request_id, prompt_token_ids)
+        self._check_fits(request_id, len(prompt), params.max_tokens)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         if params.min_tokens and len(stop_ids) > 16:
@@ -138,11 +139,19 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids for {request_id!r} has {len(prompt)} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
-        need = self.scheduler.blocks_for(len(prompt) + 1)
-        if need > self.pool.num_blocks:
-            raise ValueError(f"prompt_token_ids for {request_id!r} has {len(prompt)} tokens, "
-                             f"more than the KV cache holds ({self.pool.num_blocks} blocks)")
         return list(prompt)
+
+    def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        """A request that can outgrow the whole KV cache would stall forever once it is alone:
+        paused, evicted, and never readmitted. Refuse it now. Speculative steps write K
+        positions past the last token, so those count too."""
+        longest = min(prompt_len + max_tokens, self.max_model_len) + self.runner.k
+        need = self.scheduler.blocks_for(longest)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({prompt_len} tokens) + max_tokens="
+                f"{max_tokens} needs {need} KV blocks, the cache has {self.pool.num_blocks}: "
+                f"lower max_tokens or raise num_kv_blocks")
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -196,9 +205,9 @@ class Engine:
         self._waits_seen = waits
         self.stats.batch_size_sum += len(plan.rows)
         launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant)
-        for req in plan.prefill_requests:
+        for req, pre in zip(plan.prefill_requests, plan.prefills):
             req.in_flight += 1
-            req.advance_bound += 1
+            req.advance_bound += pre.samples
         for req in plan.rows:
             req.in_flight += 1
             req.advance_bound += self.runner.k + 1
@@ -212,7 +221,8 @@ class Engine:
         step (it was launched before the host knew): its token is dropped here."""
         res = self.runner.fetch(step.launched)
         touched = []
-        pairs = list(zip(step.plan.prefill_requests, res.prefill, [1] * len(res.prefill)))
+        pairs = list(zip(step.plan.prefill_requests, res.prefill,
+                         [p.samples for p in step.plan.prefills]))
         pairs += list(zip(step.plan.rows, res.decode, [self.runner.k + 1] * len(res.decode)))
         for req, emitted, bound in pairs:
             req.in_flight -= 1

@@ -19,10 +19,23 @@ Emitted = list[tuple[int, TokenLogprob | None]]  # the tokens one row produced i
 
 @dataclass
 class PrefillRow:
+    """A row whose KV is written by a prefill before this step's decode iteration.
+
+    A new request samples its first token from the prefill. A request evicted after producing
+    tokens does not sample: its KV is rebuilt for prompt + output[:-1] and it re-enters decode
+    from its last token, exactly where it left off. Sampling there instead would break the chain
+    of speculative iterations at a different place than an uninterrupted run (and in async mode
+    rows are evicted at other times than in sync mode), giving different sampled tokens."""
+
     row: int
-    token_ids: list[int]  # prompt + tokens generated before an eviction
+    token_ids: list[int]  # the positions whose KV this prefill writes
     blocks: list[int]
-    step: int  # index of the output token this prefill samples
+    step: int  # index of the next output token of this request
+    resume_token: int | None = None  # set for an evicted request: its last token, next input
+
+    @property
+    def samples(self) -> int:
+        return int(self.resume_token is None)
 
 
 @dataclass
@@ -40,7 +53,7 @@ class Launched:
     """A step on the device whose results the host has not read yet."""
 
     slot: int
-    num_prefill: int
+    prefill_counts: list[int]  # tokens each prefill row sampled (0 for a resumed eviction)
     num_decode: int
     with_logprobs: bool
 
@@ -119,7 +132,7 @@ class ModelRunner:
                 self.iterate(bucket, variant)
             if self.timeline is not None:
                 end.record()
-        return self._copy_out(pre, len(prefills), num_decode, variant.logprobs)
+        return self._copy_out(pre, [p.samples for p in prefills], num_decode, variant.logprobs)
 
     def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
         bs = self.block_size
@@ -133,12 +146,15 @@ class ModelRunner:
             lens.append(n)
         rows = [p.row for p in prefills]
         steps = [p.step for p in prefills]
+        samples = [p.samples for p in prefills]
+        resume = [p.resume_token or 0 for p in prefills]
         t, k = len(ids), len(prefills)
-        d, _ = self.h2d.put(ids + pos + slots + cu + lens + rows + steps, [])
+        d, _ = self.h2d.put(ids + pos + slots + cu + lens + rows + steps + samples + resume, [])
         ids_t, pos_t, slots_t = d[:t], d[t:2 * t], d[2 * t:3 * t]
         cu_t = d[3 * t:3 * t + k + 1]
         o = 3 * t + k + 1
         lens_t, rows_t, steps_t = d[o:o + k], d[o + k:o + 2 * k], d[o + 2 * k:o + 3 * k]
+        samples_t, resume_t = d[o + 3 * k:o + 4 * k], d[o + 4 * k:o + 5 * k]
         st = self.state
         attn = AttentionInputs(slot_mapping=slots_t, block_tables=st.block_tables[rows_t],
                                seq_lens=lens_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32))
@@ -148,13 +164,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[cu_t[1:] - 1])
         st.steps[rows_t] = steps_t
         out = sample_rows(self.model, st, rows_t, logits, with_logprobs)
-        # The new rows continue from their first sampled token, like any decoded row.
-        st.input_ids[rows_t] = out.tokens
+        # New rows continue from their first sampled token, resumed ones from their last token.
+        st.input_ids[rows_t] = torch.where(samples_t.bool(), out.tokens, resume_t)
         st.positions[rows_t] = lens_t
-        st.steps[rows_t] = steps_t + 1
+        st.steps[rows_t] = steps_t + samples_t
         return out
 
-    def _copy_out(self, pre, num_prefill: int, num_decode: int, with_logprobs: bool) -> Launched:
+    def _copy_out(self, pre, prefill_counts: list[int], num_decode: int,
+                  with_logprobs: bool) -> Launched:
+        num_prefill = len(prefill_counts)
         i = self._next_slot
         self._next_slot = (i + 1) % len(self._d2h)
         slot = self._d2h[i]
@@ -180,7 +198,7 @@ class ModelRunner:
             if slot.event is None:
                 slot.event = torch.cuda.Event()
             slot.event.record()
-        return Launched(i, num_prefill, num_decode, with_logprobs)
+        return Launched(i, prefill_counts, num_decode, with_logprobs)
 
     def host_waits(self) -> int:
         """Times a launch had to wait for a staging slot's earlier copy (should stay 0)."""
@@ -207,6 +225,7 @@ class ModelRunner:
             return [[(toks[i][j], TokenLogprob(toks[i][j], lp[i][j], dict(zip(ti[i][j], tv[i][j]))))
                      for j in range(c)] for i, c in enumerate(counts)]
 
-        return StepTokens(prefill=rows(r, launched.num_prefill, [1] * launched.num_prefill),
+        counts = launched.prefill_counts
+        return StepTokens(prefill=rows(r, len(counts), counts),
                           decode=rows(0, launched.num_decode,
                                       slot.count[:launched.num_decode].tolist()))

@@ -186,8 +186,10 @@ class Scheduler:
             req.blocks = self.pool.allocate(need)
             row = self._add_row(req, new_rows, entries)
             admitted.append(req)
-            prefills.append(PrefillRow(row=row, token_ids=req.prompt + req.output,
-                                       blocks=req.blocks, step=len(req.output)))
+            resumed = bool(req.output)  # evicted: rebuild its KV, decode on from its last token
+            prefills.append(PrefillRow(row=row, token_ids=req.prompt + req.output[:-1],
+                                       blocks=req.blocks, step=len(req.output),
+                                       resume_token=req.output[-1] if resumed else None))
         self.stats.admitted += len(admitted)
 
     def _add_row(self, req: Request, new_rows: list[NewRow],

@@ -49,10 +49,16 @@ def test_bad_inputs_raise_and_engine_keeps_serving():
     assert out["ok"].finish_reason == "length" and len(out["ok"].token_ids) == 5
 
 
-def test_prompt_larger_than_kv_cache_is_rejected():
+def test_request_larger_than_kv_cache_is_rejected():
     engine = Engine("tiny", max_batch=2, num_kv_blocks=2, block_size=16)
-    with pytest.raises(ValueError, match="KV cache"):
+    with pytest.raises(ValueError, match="needs 4 KV blocks, the cache has 2"):
         engine.add_request("big", [3] * 40)
+    # The prompt fits but its output would outgrow the cache: alone, it could never finish.
+    with pytest.raises(ValueError, match="max_tokens=30"):
+        engine.add_request("grows", [3] * 10, SamplingParams(max_tokens=30))
+    engine.add_request("fits", [3] * 10, SamplingParams(max_tokens=22, ignore_eos=True))
+    out = run_engine(engine, [])
+    assert out["fits"].finish_reason == "length" and len(out["fits"].token_ids) == 22
 
 
 @pytest.mark.parametrize("opt,val", [("dtype", "int8"), ("max_batch", 0), ("block_size", -1),

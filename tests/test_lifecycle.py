@@ -2,7 +2,7 @@
 checked against sync token for token, with the async chain never broken."""
 import pytest
 
-from graphexec import SamplingParams
+from graphexec import SamplingParams, SpeculativeConfig
 from lifecycle_helpers import check_blocks, collect, drain, make_engine
 
 G = dict(temperature=0.0, ignore_eos=True)
@@ -74,16 +74,22 @@ def test_pause_and_resume_keep_tokens():
     assert aeng.scheduler.stats.resumed > 0
 
 
-def test_eviction_and_recompute():
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig("self:1", 3)], ids=["plain", "spec"])
+def test_eviction_and_recompute(spec):
+    """Sampled rows evicted and recomputed emit exactly what they emit without eviction. Under
+    speculation this holds only if the recompute resumes decoding from the last token instead
+    of sampling a token from the prefill (which would shift every later speculative step)."""
     def program(engine, step):
         for i in range(3):
             engine.add_request(f"r{i}", [4 + i] * 20,
                                SamplingParams(max_tokens=50, temperature=0.8, seed=i,
                                               ignore_eos=True))
 
-    (eng, out), (aeng, _) = run_pair(program, num_kv_blocks=9, block_size=8, max_batch=3)
+    blocks = 9 if spec is None else 10  # one request alone must fit: 20 + 50 (+ K) positions
+    (eng, out), (aeng, _) = run_pair(program, num_kv_blocks=blocks, block_size=8, max_batch=3,
+                                     speculative=spec)
     assert eng.scheduler.stats.evictions > 0 and aeng.scheduler.stats.evictions > 0
-    ample = make_engine(False, num_kv_blocks=100, block_size=8)
+    ample = make_engine(False, num_kv_blocks=100, block_size=8, speculative=spec)
     ref: dict = {}
     for i in range(3):
         ample.add_request(f"r{i}", [4 + i] * 20, SamplingParams(max_tokens=50, temperature=0.8,

@@ -9,7 +9,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 has() { [[ " $SUITE " == *" $1 "* ]]; }
 if has tests; then
-  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -m gpu tests/ -p no:cacheprovider --durations=25 \
+  # SIGINT on timeout: pytest stops cleanly and still prints failures and durations.
+  timeout -s INT ${TEST_TIMEOUT:-540} python3 -m pytest -v -m gpu ${TEST_PATHS:-tests/} \
+    -p no:cacheprovider --durations=25 \
     -rfE > "$OUT/test_gpu.log" 2>&1
   grep -E "FAILED|ERROR| passed| failed|slowest|^[0-9.]+s " "$OUT/test_gpu.log" | tail -60
 fi
