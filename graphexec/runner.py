@@ -94,7 +94,8 @@ class ModelRunner:
         self._d2h_waits = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
         self.num_rows = 0  # rows holding a request, as of the last launch
-        # Benchmarks set this to a list: (start, end) CUDA events around each decode iteration.
+        # Benchmarks set this to a list: (start, end, had_prefill) per decode iteration, the
+        # events around it; a prefill in the same launch runs just before `start`.
         self.timeline: list | None = None
         self.wait_seconds = 0.0  # host time spent blocked on results in fetch()
 
@@ -125,7 +126,7 @@ class ModelRunner:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-                self.timeline.append((start, end))
+                self.timeline.append((start, end, bool(prefills)))
             if self.graphs is not None and self.graphs.has(bucket, variant):
                 self.graphs.replay(bucket, variant)
             else:

@@ -86,12 +86,15 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
         phases.restore()
     diag["triton_compiles_in_timed_run"] = _triton_cache_entries() - compiled_before
     steps = engine.stats.steps - steps_before
-    # Steady state: steps with every row decoding (skip the first, which holds the prefill).
+    # Steady state: decode iterations after the first. A gap before an iteration whose launch
+    # also ran a prefill (admissions split over several steps by max_prefill_tokens) holds that
+    # prefill, not host idleness: those gaps are left out of both step time and idle time.
     tl = timeline[1:-1]
-    busy = [s.elapsed_time(e) / 1e3 for s, e in tl]
-    gaps = [tl[i][1].elapsed_time(tl[i + 1][0]) / 1e3 for i in range(len(tl) - 1)]
-    span = tl[0][0].elapsed_time(tl[-1][1]) / 1e3 if tl else float("nan")
-    step_time = span / len(tl) if tl else float("nan")
+    busy = [s.elapsed_time(e) / 1e3 for s, e, _ in tl]
+    gaps = [tl[i][1].elapsed_time(tl[i + 1][0]) / 1e3 for i in range(len(tl) - 1)
+            if not tl[i + 1][2]]
+    prefill_steps = sum(1 for t in tl if t[2])
+    step_time = (sum(busy) / len(busy) + sum(gaps) / max(len(gaps), 1)) if tl else float("nan")
     weights = mc.num_parameters() * 2
     kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16
     avg_ctx = prompt_len + new / 2
@@ -100,9 +103,10 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
                decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
                gpu_busy_ms=sum(busy) / max(len(busy), 1) * 1e3,
-               gpu_idle_frac=sum(gaps) / span if span else float("nan"),
+               gpu_idle_frac=(sum(gaps) / max(len(gaps), 1)) / step_time if tl else float("nan"),
                host_ms_per_step=(sum(host_step) - runner.wait_seconds) / max(steps, 1) * 1e3,
                roofline_ms=roofline * 1e3, roofline_frac=roofline / step_time,
+               prefill_steps_in_steady_state=prefill_steps,
                chain_breaks=engine.stats.chain_breaks, **diag)
     return res, llm
 
