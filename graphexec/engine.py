@@ -208,9 +208,11 @@ class Engine:
         for req, pre in zip(plan.prefill_requests, plan.prefills):
             req.in_flight += 1
             req.advance_bound += pre.samples
+            req.advance_floor += pre.samples
         for req in plan.rows:
             req.in_flight += 1
             req.advance_bound += self.runner.k + 1
+            req.advance_floor += 1
             req.last_launched_step = plan.step_id
         self.in_flight.append(_InFlight(plan, launched))
         self._step_id += 1
@@ -221,12 +223,13 @@ class Engine:
         step (it was launched before the host knew): its token is dropped here."""
         res = self.runner.fetch(step.launched)
         touched = []
-        pairs = list(zip(step.plan.prefill_requests, res.prefill,
-                         [p.samples for p in step.plan.prefills]))
-        pairs += list(zip(step.plan.rows, res.decode, [self.runner.k + 1] * len(res.decode)))
-        for req, emitted, bound in pairs:
+        pairs = [(r, e, p.samples, p.samples) for r, e, p in
+                 zip(step.plan.prefill_requests, res.prefill, step.plan.prefills)]
+        pairs += [(r, e, self.runner.k + 1, 1) for r, e in zip(step.plan.rows, res.decode)]
+        for req, emitted, bound, floor in pairs:
             req.in_flight -= 1
             req.advance_bound -= bound
+            req.advance_floor -= floor
             if bound > 1:  # a speculative step: K drafted, count - 1 accepted
                 req.num_drafted += bound - 1
                 req.num_accepted += len(emitted) - 1

@@ -34,6 +34,7 @@ class Request:
     # the host can reserve KV blocks ahead without knowing the tokens.
     in_flight: int = 0  # launched steps (prefill included) not reconciled yet
     advance_bound: int = 0  # the most positions those steps can have advanced the row
+    advance_floor: int = 0  # the fewest tokens they emit: 1 per decode step, speculative or not
     num_drafted: int = 0  # speculative tokens proposed for this request
     num_accepted: int = 0
     last_launched_step: int = -1
@@ -47,6 +48,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """Steps already launched are certain to reach max_tokens or the context limit, so a
+        further step would only make tokens the host drops. (A stop token may end it sooner.)"""
+        n = len(self.output) + self.advance_floor
+        return n >= self.params.max_tokens or len(self.prompt) + n >= self.max_len
 
     def append(self, token: int, logprob: TokenLogprob | None) -> None:
         """Adds one sampled token and decides whether the request is done."""

@@ -1,9 +1,10 @@
 """Scheduler: who is in the batch for the next step, and which KV blocks they own.
 
-Policy, no tensors. Each step it (1) drops rows that ended, (2) makes sure every running row owns
-the block its next write lands in (pausing, then evicting, under KV pressure: see _make_room),
-(3) resumes paused rows, and (4) admits waiting requests in arrival order while rows and blocks
-allow. The result is a StepDelta for the device plus the prefills to run.
+Policy, no tensors. Each step it (1) drops rows that ended or surely end within the steps in
+flight, (2) makes sure every running row owns the block its next write lands in (pausing, then
+evicting, under KV pressure: see _make_room), (3) resumes paused rows, and (4) admits waiting
+requests in arrival order while rows and blocks allow. The result is a StepDelta for the device
+plus the prefills to run.
 """
 from __future__ import annotations
 
@@ -76,7 +77,10 @@ class Scheduler:
 
     def schedule(self, step_id: int) -> Plan:
         self.paused = [r for r in self.paused if not r.finished]
-        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        # Rows leave the batch when they ended, or when steps in flight are sure to end them by
+        # length: async mode then runs no step whose tokens would all be dropped. Such a row
+        # stays RUNNING, out of the batch, until its last step is reconciled and releases it.
+        keep = [i for i, r in enumerate(self.running) if not r.finished and not r.ends_in_flight]
         row_map = list(keep)
         compacted = len(keep) != len(self.running)
         self.running = [self.running[i] for i in keep]

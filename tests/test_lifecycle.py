@@ -117,3 +117,18 @@ def test_abort_of_an_in_flight_row(delay):
 
     (_, sync), (_, asyn) = run_pair(program)
     assert sync["r1"].finish_reason == "abort"
+
+
+def test_async_runs_no_row_step_whose_tokens_would_be_dropped():
+    """A row whose steps in flight are sure to reach max_tokens leaves the batch at once, so
+    async mode launches exactly the row-steps sync mode does when every request ends by length
+    (before, each such row ran one extra step in async mode and its token was thrown away)."""
+    def program(engine, step):
+        for i, n in enumerate([1, 2, 7, 12, 12, 30]):
+            engine.add_request(f"r{i}", [5 + i] * (3 + 4 * i), SamplingParams(max_tokens=n, **G))
+            step(i % 3)
+
+    (eng, out), (aeng, _) = run_pair(program, max_batch=4)
+    assert all(o.finish_reason == "length" for o in out.values())
+    assert (aeng.stats.steps, aeng.stats.batch_size_sum) == \
+        (eng.stats.steps, eng.stats.batch_size_sum)
