@@ -84,8 +84,9 @@ class Scheduler:
         row_map = list(keep)
         compacted = len(keep) != len(self.running)
         self.running = [self.running[i] for i in keep]
-        compacted |= self._make_room(row_map)
-        entries = self._reserve()
+        paused, missing = self._make_room(row_map)
+        compacted |= paused
+        entries = self._reserve(missing)
         new_rows: list[NewRow] = []
         resumed = self._resume(new_rows, entries)
         prefills: list[PrefillRow] = []
@@ -113,20 +114,20 @@ class Scheduler:
         last = min(last, req.max_len - 1)  # past the limit writes go to the scratch block
         return max(0, last // self.block_size + 1 - len(req.blocks))
 
-    def _make_room(self, row_map: list[int]) -> bool:
+    def _make_room(self, row_map: list[int]) -> tuple[bool, list[int]]:
         """KV pressure policy. While the rows that need a new block outnumber the free blocks,
         pause the latest arrival among them: it keeps its KV and leaves the batch. When the
         batch is empty and nothing paused can resume, evict the latest paused arrival: its KV is
-        freed and it is requeued to recompute prompt + output. Returns whether rows left."""
+        freed and it is requeued to recompute prompt + output. Returns whether rows left, and
+        the blocks each remaining row lacks (they now fit)."""
         changed = False
-        while True:
-            missing = [self._missing_blocks(r) for r in self.running]
-            if self.pool.can_allocate(sum(missing)):
-                break
+        missing = [self._missing_blocks(r) for r in self.running]
+        while not self.pool.can_allocate(sum(missing)):
             short = [i for i, m in enumerate(missing) if m]
             v = max(short, key=lambda i: self.running[i].arrival)
             req = self.running.pop(v)
             del row_map[v]
+            del missing[v]
             req.status = Status.PAUSED
             bisect.insort(self.paused, req, key=lambda r: r.arrival)
             self.stats.pauses += 1
@@ -138,16 +139,19 @@ class Scheduler:
                 victim = settled[-1]
                 self.paused.remove(victim)
                 self._evict(victim)
-        return changed
+        return changed, missing
 
     def _can_resume(self, req: Request) -> bool:
         return not req.in_flight and self.pool.can_allocate(self._missing_blocks(req))
 
-    def _reserve(self) -> list[tuple[int, int, int]]:
+    def _reserve(self, missing: list[int]) -> list[tuple[int, int, int]]:
         """Reserve one step ahead: each row gets the block its next write lands in."""
         entries = []
-        for row, req in enumerate(self.running):
-            for block in self.pool.allocate(self._missing_blocks(req)):
+        for row, m in enumerate(missing):
+            if not m:
+                continue
+            req = self.running[row]
+            for block in self.pool.allocate(m):
                 entries.append((row, len(req.blocks), block))
                 req.blocks.append(block)
         return entries
