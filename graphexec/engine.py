@@ -106,6 +106,11 @@ class Engine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt = self._validate_prompt(request_id, prompt_token_ids)
         self._check_fits(request_id, len(prompt), params.max_tokens)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:  # it would index past the logits row on the device
+            raise ValueError(f"stop_token_ids for {request_id!r} holds token id {bad}, outside "
+                             f"the vocabulary [0, {vocab})")
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         if params.min_tokens and len(stop_ids) > 16:
@@ -116,6 +121,9 @@ class Engine:
         req = Request(request_id=request_id, prompt=prompt, params=params,
                       arrival=self._arrivals, seed=seed, stop_ids=stop_ids,
                       max_len=self.max_model_len,
+                      # top_k >= vocab filters nothing; passing it on would only send the row
+                      # down the sampler's slow exact path
+                      top_k=params.top_k if 0 < params.top_k < vocab else 0,
                       logprobs=[] if params.logprobs is not None else None)
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -24,6 +24,7 @@ class Request:
     seed: int  # effective seed: the user's, or one drawn from the engine's generator
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     max_len: int  # prompt + output may not exceed this (context limit)
+    top_k: int = 0  # effective top-k: 0 when off, or when it keeps the whole vocabulary
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     blocks: list[int] = field(default_factory=list)

@@ -104,7 +104,7 @@ class Scheduler:
                     rows=list(self.running), bucket=bucket,
                     variant=Variant(
                         logprobs=any(r.params.logprobs is not None for r in self.running),
-                        filters=any(r.params.top_k > 0 or r.params.top_p < 1
+                        filters=any(r.top_k > 0 or r.params.top_p < 1
                                     for r in self.running)))
 
     def _missing_blocks(self, req: Request) -> int:
@@ -207,7 +207,7 @@ class Scheduler:
         self.running.append(req)
         p = req.params
         new_rows.append(NewRow(row=row, temperature=p.temperature,
-                               top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
+                               top_k=req.top_k, top_p=p.top_p,
                                seed=req.seed, min_tokens=p.min_tokens,
                                stop_ids=sorted(req.stop_ids)))
         entries += [(row, c, b) for c, b in enumerate(req.blocks)]

@@ -39,6 +39,8 @@ def test_bad_inputs_raise_and_engine_keeps_serving():
         (("", [1, 2], None), "request_id"),
         (("params", [1, 2], {"max_tokens": 3}), "params"),
         (("strprompt", "hello", None), "tokenizer"),
+        # would index past the logits row on the device and take every request down with it
+        (("stop", [1, 2], SamplingParams(stop_token_ids=[3, 512])), "stop_token_ids.*512"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -47,6 +49,15 @@ def test_bad_inputs_raise_and_engine_keeps_serving():
         engine.abort("nope")
     out = run_engine(engine, [])
     assert out["ok"].finish_reason == "length" and len(out["ok"].token_ids) == 5
+
+
+def test_top_k_covering_the_vocabulary_is_no_filter():
+    engine = Engine("tiny", max_batch=4, num_kv_blocks=64)
+    sampled = dict(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    out = run_engine(engine, [("all", [4, 5, 6], SamplingParams(top_k=10**6, **sampled)),
+                              ("off", [4, 5, 6], SamplingParams(top_k=-1, **sampled))])
+    assert out["all"].token_ids == out["off"].token_ids
+    assert engine.requests == {}
 
 
 def test_request_larger_than_kv_cache_is_rejected():
