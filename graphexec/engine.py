@@ -46,6 +46,9 @@ class EngineStats:
     # Steps where the scheduler had nothing it could launch, so the step in flight was read
     # before the next launch (all done, or only rows waiting on that step's tokens).
     idle_drains: int = 0
+    # Async speculative steps that read the step in flight before planning, because it might
+    # end every row (see Engine._all_rows_may_end_in_flight).
+    settles: int = 0
     batch_size_sum: int = 0
 
 
@@ -191,6 +194,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
+        if self._all_rows_may_end_in_flight():
+            self.stats.settles += 1
+            while self.in_flight:
+                for req in self._reconcile(self.in_flight.popleft()):
+                    touched[req.request_id] = req
         plan = self.scheduler.schedule(self._step_id)
         if not plan.empty:
             self._launch(plan)
@@ -205,6 +213,18 @@ class Engine:
             if r.finished:
                 self.requests.pop(r.request_id, None)
         return outputs
+
+    def _all_rows_may_end_in_flight(self) -> bool:
+        """Under speculation a step emits 1..K+1 tokens, so the host cannot tell whether the
+        step in flight ends a row by length. When it may end every row and nobody waits, the
+        next step would most likely make only dropped tokens (a whole iteration at batch 1):
+        read the step in flight first, at the cost of one host round trip."""
+        if not (self.config.async_scheduling and self.runner.k and self.in_flight):
+            return False
+        sched = self.scheduler
+        if sched.waiting or sched.paused or not sched.running:
+            return False
+        return all(r.may_end_in_flight for r in sched.running)
 
     def _launch(self, plan: Plan) -> None:
         waits = self.runner.host_waits()

@@ -54,7 +54,15 @@ class Request:
     def ends_in_flight(self) -> bool:
         """Steps already launched are certain to reach max_tokens or the context limit, so a
         further step would only make tokens the host drops. (A stop token may end it sooner.)"""
-        n = len(self.output) + self.advance_floor
+        return self._reaches_length(self.advance_floor)
+
+    @property
+    def may_end_in_flight(self) -> bool:
+        """Steps already launched can reach the length limit if they emit all they may."""
+        return self._reaches_length(self.advance_bound)
+
+    def _reaches_length(self, more: int) -> bool:
+        n = len(self.output) + more
         return n >= self.params.max_tokens or len(self.prompt) + n >= self.max_len
 
     def append(self, token: int, logprob: TokenLogprob | None) -> None:

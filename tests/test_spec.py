@@ -136,3 +136,21 @@ def test_lifecycle_state_machine_with_speculation():
     run_state_machine_as_test(AsyncEqualsSyncSpeculative, settings=settings(
         max_examples=15, stateful_step_count=30, deadline=None, database=None,
         derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
+
+
+@pytest.mark.parametrize("draft", ["self:2", "self:1"])
+def test_async_speculation_launches_no_step_past_the_end(draft):
+    """The host cannot tell whether a speculative step in flight ends a row (it emits 1..K+1
+    tokens). When it may end every row, async mode reads it before launching another: at batch
+    1 it then launches exactly as many steps as sync mode, not one more."""
+    steps = []
+    for async_scheduling in (False, True):
+        llm = LLM("tiny", max_batch=4, async_scheduling=async_scheduling,
+                  speculative=SpeculativeConfig(draft, 4))
+        out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=64, temperature=0,
+                                                        ignore_eos=True))
+        assert len(out[0].token_ids) == 64
+        steps.append(llm.engine.stats.steps)
+        if async_scheduling:
+            assert llm.engine.stats.settles > 0
+    assert steps[0] == steps[1]
