@@ -196,23 +196,25 @@ class Engine:
         self._aborted = []
         if self._all_rows_may_end_in_flight():
             self.stats.settles += 1
-            while self.in_flight:
-                for req in self._reconcile(self.in_flight.popleft()):
-                    touched[req.request_id] = req
+            self._reconcile_until(0, touched)
         plan = self.scheduler.schedule(self._step_id)
         if not plan.empty:
             self._launch(plan)
         depth = 1 if self.config.async_scheduling and not plan.empty else 0
         if self.config.async_scheduling and plan.empty and self.in_flight:
             self.stats.idle_drains += 1
-        while len(self.in_flight) > depth:
-            for req in self._reconcile(self.in_flight.popleft()):
-                touched[req.request_id] = req
+        self._reconcile_until(depth, touched)
         outputs = [r.take_output() for r in touched.values()]
         for r in touched.values():
             if r.finished:
                 self.requests.pop(r.request_id, None)
         return outputs
+
+    def _reconcile_until(self, depth: int, touched: dict[str, Request]) -> None:
+        """Reads the oldest steps in flight until `depth` remain."""
+        while len(self.in_flight) > depth:
+            for req in self._reconcile(self.in_flight.popleft()):
+                touched[req.request_id] = req
 
     def _all_rows_may_end_in_flight(self) -> bool:
         """Under speculation a step emits 1..K+1 tokens, so the host cannot tell whether the
