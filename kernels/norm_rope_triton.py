@@ -140,18 +140,27 @@ def _rope_rotate(src_ptr, dst_ptr, src_row, s1, dst_row, d1, n_heads, c, s,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
-                 HQ, HK, HALF, sq0, sq1, sk0, sk1, sc0,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0)
-    t64 = t.to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rope_q(q_ptr, qo_ptr, pos_ptr, cos_ptr, sin_ptr, t64, HQ, HALF, sq0, sq1, sc0,
+            BLOCK_HQ: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates token t64's q heads into qo (contiguous) and returns its cos/sin row for k."""
+    pos = tl.load(pos_ptr + t64).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     cmask = cols < HALF
     c = tl.load(cos_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
     _rope_rotate(q_ptr, qo_ptr, t64 * sq0, sq1, t64 * HQ * 2 * HALF, 2 * HALF, HQ, c, s, HALF,
                  BLOCK_HQ, BLOCK_HALF)
+    return c, s
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
+                 HQ, HK, HALF, sq0, sq1, sk0, sk1, sc0,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    c, s = _rope_q(q_ptr, qo_ptr, pos_ptr, cos_ptr, sin_ptr, t64, HQ, HALF, sq0, sq1, sc0,
+                   BLOCK_HQ, BLOCK_HALF)
     _rope_rotate(k_ptr, ko_ptr, t64 * sk0, sk1, t64 * HK * 2 * HALF, 2 * HALF, HK, c, s, HALF,
                  BLOCK_HK, BLOCK_HALF)
 
@@ -195,14 +204,9 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, 
                           BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    cmask = cols < HALF
-    c = tl.load(cos_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * sc0 + cols, mask=cmask, other=0.0).to(tl.float32)
-    _rope_rotate(q_ptr, qo_ptr, t64 * sq0, sq1, t64 * HQ * 2 * HALF, 2 * HALF, HQ, c, s, HALF,
-                 BLOCK_HQ, BLOCK_HALF)
+    c, s = _rope_q(q_ptr, qo_ptr, pos_ptr, cos_ptr, sin_ptr, t64, HQ, HALF, sq0, sq1, sc0,
+                   BLOCK_HQ, BLOCK_HALF)
     if slot >= 0:  # a negative slot means "no write", as in write_kv
         _rope_rotate(k_ptr, kc_ptr, t64 * sk0, sk1, slot * skc, skh, HK, c, s, HALF,
                      BLOCK_HK, BLOCK_HALF)
