@@ -9,7 +9,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from graphexec import LLM, SamplingParams, SpeculativeConfig
 from test_lifecycle_state_machine import AsyncEqualsSync
-from test_spec import GREEDY, PROMPTS
+from test_spec import GREEDY, PROMPTS, check_acceptance_parity
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,18 +38,11 @@ def test_greedy_speculative_graphs_equal_plain(plain_greedy_gpu, draft, k, async
 
 
 def test_acceptance_is_the_same_in_sync_and_async_on_gpu():
-    spec = SpeculativeConfig("self:1", 3)
     rng = random.Random(5)
-    params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.8]),
-                             top_p=rng.choice([1.0, 0.9]), seed=i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    runs = [LLM("tiny", async_scheduling=a, speculative=spec, **GPU).generate(PROMPTS, params)
-            for a in (False, True)]
-    for s, a in zip(*runs):
-        assert s.token_ids == a.token_ids
-        assert (s.num_drafted_tokens, s.num_accepted_tokens) == \
-            (a.num_drafted_tokens, a.num_accepted_tokens)
-    assert sum(o.num_accepted_tokens for o in runs[0]) > 0
+    check_acceptance_parity(
+        [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.8]),
+                        top_p=rng.choice([1.0, 0.9]), seed=i, ignore_eos=True)
+         for i in range(len(PROMPTS))], **GPU)
 
 
 class AsyncEqualsSyncSpeculativeOnGpu(AsyncEqualsSync):

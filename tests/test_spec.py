@@ -37,20 +37,24 @@ def test_greedy_speculative_equals_plain(plain_greedy, draft, k, async_schedulin
         assert rate < 0.5
 
 
-def test_acceptance_is_the_same_in_sync_and_async():
+def check_acceptance_parity(params: list[SamplingParams], **engine) -> None:
+    """Same seeds: sync and async emit the same tokens and draft/accept the same counts."""
     spec = SpeculativeConfig("self:1", 3)
-    rng = random.Random(4)
-    params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.7]),
-                             top_k=rng.choice([-1, 20]), seed=i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    runs = [LLM("tiny", max_batch=4, async_scheduling=a, speculative=spec).generate(PROMPTS,
-                                                                                     params)
+    runs = [LLM("tiny", async_scheduling=a, speculative=spec, **engine).generate(PROMPTS, params)
             for a in (False, True)]
     for s, a in zip(*runs):
         assert s.token_ids == a.token_ids
         assert (s.num_drafted_tokens, s.num_accepted_tokens) == \
             (a.num_drafted_tokens, a.num_accepted_tokens)
     assert sum(o.num_accepted_tokens for o in runs[0]) > 0
+
+
+def test_acceptance_is_the_same_in_sync_and_async():
+    rng = random.Random(4)
+    check_acceptance_parity(
+        [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.7]),
+                        top_k=rng.choice([-1, 20]), seed=i, ignore_eos=True)
+         for i in range(len(PROMPTS))], max_batch=4)
 
 
 def _chi2_critical(df: int) -> float:
