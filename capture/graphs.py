@@ -60,7 +60,7 @@ class GraphSet:
             for b, lp in todo:
                 run(b, lp)
         torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # engine start, before capture; never on the decode path
         # Objects of an earlier engine collected mid-capture free pinned memory and events,
         # which a capturing stream does not permit: collect now, not during capture.
         gc.collect()
@@ -80,7 +80,7 @@ class GraphSet:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 run(b, lp)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # capture time only (engine start): per-bucket ms is exact
             self.graphs[(b, lp)] = g
             self.reports.append(BucketReport(b, lp, (time.perf_counter() - t0) * 1e3,
                                              (torch.cuda.memory_reserved() - before) / 2**20))
