@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device run: install, GPU tests, step profiles, benchmarks. Logs under $OUT (or ./out).
-# SUITE picks the parts: any of tests profile decode spec kernels (default: tests profile).
+# SUITE picks the parts: any of tests profile decode spec kernels tune (default: tests profile).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 SUITE=${SUITE:-"tests profile"}
@@ -26,6 +26,10 @@ fi
 if has spec; then
   timeout ${SPEC_TIMEOUT:-300} python3 tools/bench.py spec ${SPEC_ARGS:-} --out "$OUT" \
     2>&1 | tee "$OUT/spec.log" | tail -30
+fi
+if has tune; then
+  timeout ${TUNE_TIMEOUT:-300} python3 tools/tune_linear.py ${TUNE_ARGS:-} --out "$OUT" \
+    2>&1 | tee "$OUT/tune_linear.log" | grep -v "^ " | tail -40
 fi
 if has kernels; then
   timeout 120 python3 tools/bench_kernels.py --out "$OUT/kernels.json" 2>&1 \

@@ -1,0 +1,199 @@
+"""Triton projections for the small row counts of decode (M <= 64), optionally with the RMSNorm
+(and the residual add before it) folded into the prologue. Reference: kernels/linear.py.
+
+Why: at decode the projections are weight streaming, and cuBLAS runs the small ones well below
+copy bandwidth at M = 1 (about 54% for llama-1b's qkv and o, see docs/benchmarks.md). Each
+program owns BLOCK_N output columns, walks K in BLOCK_K steps and reads every weight byte once;
+when N / BLOCK_N programs are too few to keep HBM busy, K is split over a second grid axis and a
+small kernel sums the fp32 partials in a fixed order (deterministic, no atomics).
+
+Numerics: bf16/fp16 only (fp32 goes to the reference: tensor-core dots would round it to tf32).
+The per-row result does not depend on M or on the other rows: a row's sum runs over the same K
+blocks in the same order whatever the batch, given the same config. The normed input has the
+rounding points of kernels/rmsnorm.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .norm_rope_triton import add_rms_norm, rms_norm
+
+# Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
+
+
+def _new(shape, dtype, device) -> torch.Tensor:
+    """Every output of this module is allocated here (tests replace it to poison outputs)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int  # 1: CUDA-core dot products (M == 1 only); >= 16: tensor-core tl.dot
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# M is the batch: never specialise on it, or every new batch size would compile again.
+@triton.jit(do_not_specialize=["M", "k_per_split"])
+def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
+                   M, N, K, k_per_split, eps, sx, sr,
+                   NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = out_ptr.dtype.element_ty
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+
+    if NORM:
+        # Every program needs the whole row's mean square, split or not: one pass over K of the
+        # (small, L2-resident) input. One program also writes the residual sum out.
+        writes_sum = (pid_n == 0) & (pid_k == 0)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            mask = m_ok[:, None] & (ks < K)[None, :]
+            xv = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+            if HAS_RES:
+                rv = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
+                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
+                if writes_sum:
+                    tl.store(sum_ptr + rm.to(tl.int64)[:, None] * K + ks[None, :], xv, mask=mask)
+            xf = xv.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + rk
+        k_ok = ks < k_hi
+        xv = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            if HAS_RES:
+                rv = tl.load(r_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
+            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
+            y = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+            xv = (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+        wv = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc2 += wv.to(tl.float32) * xv.to(tl.float32)
+        else:
+            if UPCAST:
+                acc += tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)),
+                              input_precision="ieee")
+            else:
+                acc += tl.dot(xv, tl.trans(wv))
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if tl.num_programs(1) == 1:
+        tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + flat, acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _split_sum_kernel(ws_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * total + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def pick_config(m: int, n: int, k: int) -> LinearConfig:
+    """Per-shape launch parameters (tools/tune_linear.py measures the candidates on a GPU)."""
+    block_m = 1 if m == 1 else (16 if m <= 16 else 64)
+    if block_m == 1:
+        block_n, block_k = 4, 512
+    else:
+        block_n, block_k = 32, 128
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split = 1
+    while programs * split < 264 and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return LinearConfig(block_m, block_n, block_k, split)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16,
+            torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
+            and x.stride(-1) == 1 and x.is_cuda == weight.is_cuda)
+
+
+def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None):
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or pick_config(m, n, k)
+    out = _new((m, n), x.dtype, x.device)
+    summed = _new((m, k), x.dtype, x.device) if residual is not None else x
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    _linear_kernel[grid](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None
+        else x, weight, bias if bias is not None else x, out, summed, ws,
+        m, n, k, k_per_split, eps, x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT=split,
+                                                         BLOCK=block, num_warps=4)
+    return out, summed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: LinearConfig | None = None) -> torch.Tensor:
+    if not supported(x, weight):
+        return F.linear(x, weight, bias)
+    return _launch(x, None, None, 0.0, weight, bias, config)[0]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if not supported(x, weight) or (residual is not None and residual.shape != x.shape):
+        if residual is None:
+            normed, summed = rms_norm(x, norm_weight, eps), x
+        else:
+            normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(normed, weight, bias), summed
+    return _launch(x, residual, norm_weight, eps, weight, bias, config)

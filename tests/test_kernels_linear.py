@@ -1,0 +1,99 @@
+"""The decode projections (kernels/linear_triton.py) against PyTorch: F.linear in fp32 on the
+same inputs, and the RMSNorm reference (kernels/rmsnorm.py) for the fused prologue."""
+import pytest
+import torch
+
+from kernel_helpers import INTERPRET, _check, _randn, big, kernel_test, norm_ref
+
+LOW = [torch.bfloat16, torch.float16]
+
+
+def _cfg(K, block_m, block_n, block_k, split):
+    return K.lt.LinearConfig(block_m, block_n, block_k, split)
+
+
+def _ref_linear(x, w, b=None):
+    """fp32 sums over the kernel's own (rounded) inputs, rounded once at the end."""
+    out = x.float() @ w.float().t()
+    if b is not None:
+        out = out + b.float()
+    return out.to(x.dtype)
+
+
+# (m, n, k) and forced configs: None = the shipped heuristic. Ragged N and K hit the masks;
+# split K exercises the partial-sum kernel.
+SHAPES = big([(1, 3072, 2048), (1, 2048, 8192), (5, 16384, 2048), (16, 2048, 2048),
+              (64, 6144, 4096), (33, 1000, 896), (1, 130, 200)],
+             [(1, 40, 96), (3, 37, 160), (17, 24, 64)])
+CONFIGS = big([None, (1, 8, 256, 1), (1, 4, 512, 4), (16, 32, 128, 1), (16, 16, 128, 3),
+               (64, 64, 64, 2)],
+              [None, (1, 8, 32, 1), (1, 4, 32, 3), (16, 16, 32, 2), (64, 16, 32, 1)])
+# block_m 1 is the M == 1 kernel: only paired with one-row shapes.
+CASES = [(*shape, cfg) for shape in SHAPES for cfg in CONFIGS
+         if cfg is None or cfg[0] != 1 or shape[0] == 1]
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("m,n,k,config", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(K, dtype, m, n, k, config, bias):
+    x = _randn((m, k), dtype, 1)
+    w = _randn((n, k), dtype, 2, k ** -0.5)
+    b = _randn((n,), dtype, 3) if bias else None
+    cfg = _cfg(K, *config) if config else None
+    out = K.lt.linear(x, w, b, config=cfg)
+    _check(out, _ref_linear(x, w, b), dtype, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("m,n,k,config", CASES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear(K, dtype, m, n, k, config, with_residual):
+    x = _randn((m, k), dtype, 4, 3.0)
+    res = _randn((m, k), dtype, 5, 3.0) if with_residual else None
+    nw = (1.0 + 0.2 * _randn((k,), torch.float32, 6)).to(dtype)
+    w = _randn((n, k), dtype, 7, k ** -0.5)
+    cfg = _cfg(K, *config) if config else None
+    out, summed = K.lt.norm_linear(x, res, nw, 1e-6, w, config=cfg)
+    if res is None:
+        normed, want_sum = norm_ref.rms_norm_ref(x, nw, 1e-6), x
+    else:
+        normed, want_sum = norm_ref.add_rms_norm_ref(x, res, nw, 1e-6)
+    if INTERPRET:  # the interpreter truncates fp32 -> bf16 where the GPU rounds
+        _check(summed, want_sum, dtype)
+    else:
+        assert torch.equal(summed, want_sum)
+    _check(out, _ref_linear(normed, w), dtype, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", big([(16, 32, 128, 1), (16, 16, 128, 4), (1, 8, 256, 2)],
+                                       [(16, 16, 32, 2), (1, 8, 32, 2)]))
+def test_linear_row_result_does_not_depend_on_batch(K, config):
+    """With one config a row's sum runs over the same K blocks in the same order whatever the
+    other rows are: bitwise equal results at every batch size (what speculative verification
+    needs to agree with the draft)."""
+    n, k = big((1024, 2048), (40, 128))
+    x = _randn((16, k), torch.bfloat16, 8)
+    w = _randn((n, k), torch.bfloat16, 9, k ** -0.5)
+    cfg = _cfg(K, *config)
+    full = K.lt.linear(x, w, config=cfg)
+    for m in ([1] if config[0] == 1 else [1, 3, 16]):
+        assert torch.equal(K.lt.linear(x[:m], w, config=cfg), full[:m]), m
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_linear_falls_back_where_unsupported(K):
+    """fp32 (a tensor-core dot would round it to tf32) and more than MAX_ROWS rows use torch."""
+    x = _randn((3, 64), torch.float32, 10)
+    w = _randn((32, 64), torch.float32, 11)
+    assert torch.equal(K.lt.linear(x, w), torch.nn.functional.linear(x, w))
+    xb = _randn((K.lt.MAX_ROWS + 1, 64), torch.bfloat16, 12)
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(K.lt.linear(xb, wb), torch.nn.functional.linear(xb, wb))
