@@ -38,6 +38,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # default: on with CUDA
     capture_logprobs: bool = True  # False: steps that need logprobs run eagerly (less memory)
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
+    # Who runs the projections on CUDA: "cublas", or "triton" (kernels/linear_triton.py: M <= 64
+    # rows, RMSNorm fused in front). cuBLAS stays the default until the Triton ones are measured
+    # faster on the GPU (tools/tune_linear.py, tools/bench.py decode).
+    projections: str = "cublas"
     speculative: object | None = None  # a SpeculativeConfig
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
     graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
@@ -95,3 +99,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device}")
         if self.use_triton and not cuda:
             raise ValueError(f"use_triton=True needs a CUDA device, got device={self.device}")
+        from .kernels import PROJECTIONS
+
+        if self.projections not in PROJECTIONS:
+            raise ValueError(f"projections={self.projections!r} is not one of {PROJECTIONS}")

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from . import activation, advance, attention, rmsnorm, rope, sampling
+from . import activation, advance, attention, linear, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Ops:
     logprobs: Callable
     decode_metadata: Callable
     advance: Callable
+    linear: Callable  # the projections: (x, weight, bias) -> x @ weight.T + bias
+    norm_linear: Callable  # (x, residual, norm_w, eps, weight, bias) -> (proj(norm), sum)
 
 
 REFERENCE_OPS = Ops(
@@ -43,17 +45,27 @@ REFERENCE_OPS = Ops(
     logprobs=sampling.logprobs_ref,
     decode_metadata=advance.decode_metadata_ref,
     advance=advance.advance_ref,
+    linear=linear.linear_ref,
+    norm_linear=linear.norm_linear_ref,
 )
 
 
-def select_ops(device: torch.device, use_triton: bool | None = None) -> Ops:
-    """use_triton=None picks Triton on CUDA when it imports; False forces the references."""
+PROJECTIONS = ("cublas", "triton")
+
+
+def select_ops(device: torch.device, use_triton: bool | None = None,
+               projections: str = "cublas") -> Ops:
+    """use_triton=None picks Triton on CUDA when it imports; False forces the references.
+    projections: who runs the decode projections on CUDA, cuBLAS or the Triton small-M kernels
+    (kernels/linear_triton.py)."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections={projections!r} is not one of {PROJECTIONS}")
     if device.type != "cuda" or use_triton is False:
         return REFERENCE_OPS
     try:
-        from .triton_ops import TRITON_OPS
+        from .triton_ops import TRITON_OPS, TRITON_PROJECTION_OPS
     except ImportError:
         if use_triton:
             raise
         return REFERENCE_OPS
-    return TRITON_OPS
+    return TRITON_PROJECTION_OPS if projections == "triton" else TRITON_OPS

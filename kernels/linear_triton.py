@@ -27,6 +27,7 @@ from .norm_rope_triton import add_rms_norm, rms_norm
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
+FUSE_MAX_ROWS = 16  # norm_linear fuses the norm up to this many rows (a guess: not yet tuned)
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -187,13 +188,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(x, None, None, 0.0, weight, bias, config)[0]
 
 
+def norm_then_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two kernels: the Triton (add +) RMSNorm, then cuBLAS."""
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if not supported(x, weight) or (residual is not None and residual.shape != x.shape):
-        if residual is None:
-            normed, summed = rms_norm(x, norm_weight, eps), x
-        else:
-            normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(normed, weight, bias), summed
+    """One kernel for up to FUSE_MAX_ROWS rows. Beyond that every program re-reading the rows
+    for their mean square costs more than the separate norm launch it saves."""
+    if (not supported(x, weight) or x.shape[0] > FUSE_MAX_ROWS
+            or (residual is not None and residual.shape != x.shape)):
+        return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
     return _launch(x, residual, norm_weight, eps, weight, bias, config)

@@ -30,9 +30,12 @@ def _interpreter_compat() -> None:
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _interpreter_compat()
 
+from dataclasses import replace  # noqa: E402
+
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
-               norm_rope_triton, sampling_triton)
+               linear_triton, norm_rope_triton, sampling_triton)
 from . import Ops  # noqa: E402
+from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref, mask_stop_tokens_ref  # noqa: E402
 
 TRITON_OPS = Ops(
@@ -50,4 +53,10 @@ TRITON_OPS = Ops(
     logprobs=logprobs_ref,
     decode_metadata=advance_triton.decode_metadata,
     advance=advance_triton.advance,
+    linear=linear_ref,  # cuBLAS
+    norm_linear=linear_triton.norm_then_linear,
 )
+
+# The same with the projections on Triton (EngineConfig.projections="triton").
+TRITON_PROJECTION_OPS = replace(TRITON_OPS, linear=linear_triton.linear,
+                                norm_linear=linear_triton.norm_linear)

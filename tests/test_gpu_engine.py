@@ -31,12 +31,14 @@ def test_graph_replay_matches_eager_for_every_bucket(n):
             assert abs(a.logprob - b.logprob) < 2e-2 * max(1.0, abs(a.logprob))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_async_graphs_equal_sync(dtype):
+@pytest.mark.parametrize("dtype,projections", [("float32", "cublas"), ("bfloat16", "cublas"),
+                                               ("bfloat16", "triton")])
+def test_async_graphs_equal_sync(dtype, projections):
     reqs = _mixed_requests(24, seed=11)
-    sync = run_engine(_engine(dtype=dtype, cuda_graphs=False, async_scheduling=False), reqs)
-    sync_g = run_engine(_engine(dtype=dtype, cuda_graphs=True, async_scheduling=False), reqs)
-    async_g = _engine(dtype=dtype, cuda_graphs=True, async_scheduling=True)
+    opts = dict(dtype=dtype, projections=projections)
+    sync = run_engine(_engine(cuda_graphs=False, async_scheduling=False, **opts), reqs)
+    sync_g = run_engine(_engine(cuda_graphs=True, async_scheduling=False, **opts), reqs)
+    async_g = _engine(cuda_graphs=True, async_scheduling=True, **opts)
     out = run_engine(async_g, reqs)
     _same(sync_g, out)
     if dtype == "float32":

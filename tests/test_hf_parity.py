@@ -11,11 +11,13 @@ from graphexec.model.llama import AttentionInputs, KVCache
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
 
 
-def _graphexec_prefill_logits(path, device, dtype, prompts, block_size=4):
+def _graphexec_prefill_logits(path, device, dtype, prompts, block_size=4, projections="cublas",
+                              ops=None):
     """Runs graphexec's varlen prefill over the paged cache; returns per-token logits."""
     mc = ModelConfig.from_dir(path)
-    model = LlamaModel(mc, load_weights(path, mc, torch.device(device), dtype),
-                       select_ops(torch.device(device)), max_positions=64)
+    ops = ops or select_ops(torch.device(device), projections=projections)
+    model = LlamaModel(mc, load_weights(path, mc, torch.device(device), dtype), ops,
+                       max_positions=64)
     nblocks = 32
     kv = KVCache([torch.zeros(nblocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype,
                               device=device) for _ in range(mc.num_layers)],
@@ -78,13 +80,22 @@ def test_greedy_generation_matches_transformers(hf_dirs, arch, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", list(HF_ARCHS))
-def test_prefill_logits_match_transformers_bf16(hf_dirs_moderate, arch):
+@pytest.mark.parametrize("projections,packed", [("cublas", True), ("triton", True),
+                                                ("triton", False)])
+def test_prefill_logits_match_transformers_bf16(hf_dirs_moderate, arch, projections, packed):
+    """packed: the three prompts in one varlen batch (22 rows: the Triton projections without
+    the fused norm); else one prompt per forward (2-13 rows: with it)."""
     path, hf = hf_dirs_moderate[arch]
     hf = hf.to("cuda", torch.float32)
     with torch.no_grad():
         truth = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in PROMPTS]
     hf = hf.to(torch.bfloat16)
-    ours = _graphexec_prefill_logits(path, "cuda", torch.bfloat16, PROMPTS)
+    if packed:
+        ours = _graphexec_prefill_logits(path, "cuda", torch.bfloat16, PROMPTS,
+                                         projections=projections)
+    else:
+        ours = [_graphexec_prefill_logits(path, "cuda", torch.bfloat16, [p],
+                                          projections=projections)[0] for p in PROMPTS]
     for p, mine, exact in zip(PROMPTS, ours, truth):
         with torch.no_grad():
             ref = hf(torch.tensor([p], device="cuda")).logits[0].float()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -49,13 +50,13 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
                     bandwidth: float, max_batch: int, llm: LLM | None = None,
-                    diagnose: bool = False) -> tuple[dict, LLM]:
+                    diagnose: bool = False, projections: str = "cublas") -> tuple[dict, LLM]:
     mc = preset(model)
     max_len = prompt_len + new + 16
     if llm is None:
         blocks = max_batch * -(-max_len // 16) + 16
         llm = LLM(model, max_batch=max_batch, num_kv_blocks=blocks, max_model_len=max_len,
-                  **MODES[mode])
+                  projections=projections, **MODES[mode])
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = _prompts(batch, prompt_len, mc.vocab_size)
@@ -99,7 +100,8 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16
     avg_ctx = prompt_len + new / 2
     roofline = (weights + batch * avg_ctx * kv_per_token) / bandwidth
-    res = dict(engine="graphexec", mode=mode, model=model, batch=batch, prompt=prompt_len,
+    label = mode if projections == "cublas" else f"{mode} {projections}-proj"
+    res = dict(engine="graphexec", mode=label, projections=projections, model=model, batch=batch, prompt=prompt_len,
                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
                decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
                gpu_busy_ms=sum(busy) / max(len(busy), 1) * 1e3,
@@ -202,18 +204,17 @@ def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> di
 
 def run_decode(models, batches, shapes, hf_batches, out_dir,
                hf_kinds=("eager", "static+compile"), modes=tuple(MODES),
-               diagnose: bool = False) -> list[dict]:
+               diagnose: bool = False, projections=("cublas",)) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
     for model in models:
-        for mode in modes:
-            llm = None
+        for mode, proj in itertools.product(modes, projections):
             for prompt_len, new in shapes:
                 llm = None  # a new engine per shape: max_model_len and KV sized for it
                 for batch in batches:
                     res, llm = bench_graphexec(model, mode, batch, prompt_len, new, bw,
-                                               max(batches), llm, diagnose)
+                                               max(batches), llm, diagnose, proj)
                     print(json.dumps(res))
                     rows.append(res)
                 del llm
@@ -309,6 +310,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["128+128", "1024+256"])
     ap.add_argument("--hf-kinds", nargs="*", default=["eager", "static+compile"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--projections", nargs="+", default=["cublas"],
+                    choices=["cublas", "triton"], help="decode: who runs the projections")
     ap.add_argument("--diagnose", action="store_true",
                     help="time schedule/launch/reconcile per step, list the slowest steps")
     ap.add_argument("--out", default="out")
@@ -332,7 +335,7 @@ def main() -> None:
         shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
         batches = args.batches or [1, 16, 64, 256]
         rows = run_decode(args.models, batches, shapes, args.hf_batches, args.out,
-                          args.hf_kinds, args.modes, args.diagnose)
+                          args.hf_kinds, args.modes, args.diagnose, args.projections)
         tag = "-".join(args.models)
         plot(rows, os.path.join(args.out, f"decode_{tag}.png"))
         md = markdown(rows, command)

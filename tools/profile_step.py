@@ -10,6 +10,7 @@ between kernels (launch latency inside the graph), which no faster kernel can re
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,9 +38,10 @@ def _kernel_times(fn, reps: int) -> dict[str, list]:
     return per_name
 
 
-def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128) -> dict:
+def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
+                 projections: str = "cublas") -> dict:
     llm = LLM(model, max_batch=max(batch, 1), max_model_len=prompt_len + 512,
-              buckets=[batch], num_kv_blocks=batch * 48 + 8)
+              buckets=[batch], num_kv_blocks=batch * 48 + 8, projections=projections)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -82,15 +84,16 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--projections", nargs="+", default=["cublas"], choices=["cublas", "triton"])
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for b in args.batch:
-        res = profile_step(args.model, b, args.replays)
-        path = os.path.join(args.out, f"profile_{args.model}_b{b}.json")
+    for b, proj in itertools.product(args.batch, args.projections):
+        res = profile_step(args.model, b, args.replays, projections=proj)
+        path = os.path.join(args.out, f"profile_{args.model}_b{b}_{proj}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
-        print(f"{args.model} batch {b}: replay {res['replay_wall_us']:.1f} us, kernels "
+        print(f"{args.model} batch {b} ({proj} projections): replay {res['replay_wall_us']:.1f} us, kernels "
               f"{res['kernel_busy_us']:.1f} us, gaps {res['gap_us']:.1f} us, "
               f"{res['kernels_per_step']:.0f} kernels/step")
         for k in res["kernels"][:25]:

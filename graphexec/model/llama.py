@@ -78,27 +78,25 @@ class LlamaModel:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
         cfg, ops, w = self.config, self.ops, self.weights
         h = F.embedding(input_ids, w.embed)
-        residual = None
+        residual = None  # the first layer's residual stream starts at the embeddings
         for i, layer in enumerate(w.layers):
-            if residual is None:
-                residual = h
-                x = ops.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
-            h = self._attention(x, positions, attn, layer, kv.k[i], kv.v[i])
-            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
-            h = self._mlp(x, layer)
+            # Each norm feeds exactly one projection: one op, so a kernel may fuse the two.
+            qkv, residual = ops.norm_linear(h, residual, layer.input_norm, cfg.rms_norm_eps,
+                                            layer.qkv, layer.qkv_bias)
+            h = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
+            gate_up, residual = ops.norm_linear(h, residual, layer.post_norm, cfg.rms_norm_eps,
+                                                layer.gate_up)
+            h = ops.linear(ops.silu_mul(gate_up), layer.down)
         x, _ = ops.add_rms_norm(h, residual, w.norm, cfg.rms_norm_eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.ops.linear(hidden, self.weights.lm_head).float()
 
-    def _attention(self, x, positions, attn: AttentionInputs, layer: LayerWeights,
+    def _attention(self, qkv, positions, attn: AttentionInputs, layer: LayerWeights,
                    k_cache, v_cache) -> torch.Tensor:
         cfg, ops = self.config, self.ops
-        t = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -114,7 +112,4 @@ class LlamaModel:
         else:
             o = ops.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                       attn.block_tables, self.scale)
-        return F.linear(o.reshape(t, cfg.q_size), layer.o)
-
-    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        return F.linear(self.ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        return ops.linear(o.reshape(t, cfg.q_size), layer.o)
