@@ -251,11 +251,14 @@ class Engine:
     def _reconcile(self, step: _InFlight) -> list[Request]:
         """Reads step's tokens and applies them. A row that finished earlier also ran in this
         step (it was launched before the host knew): its token is dropped here."""
-        res = self.runner.fetch(step.launched)
+        plan = step.plan
+        res = self.runner.fetch(step.launched, top_n=(
+            [r.params.logprobs for r in plan.prefill_requests],
+            [r.params.logprobs for r in plan.rows]))
         touched = []
         pairs = [(r, e, p.samples, p.samples) for r, e, p in
-                 zip(step.plan.prefill_requests, res.prefill, step.plan.prefills)]
-        pairs += [(r, e, self.runner.k + 1, 1) for r, e in zip(step.plan.rows, res.decode)]
+                 zip(plan.prefill_requests, res.prefill, plan.prefills)]
+        pairs += [(r, e, self.runner.k + 1, 1) for r, e in zip(plan.rows, res.decode)]
         for req, emitted, bound, floor in pairs:
             req.in_flight -= 1
             req.advance_bound -= bound
@@ -266,15 +269,13 @@ class Engine:
             if req.finished:
                 continue
             for token, logprob in emitted:
-                if logprob is not None and req.params.logprobs is not None:
-                    logprob.top = dict(list(logprob.top.items())[:req.params.logprobs])
                 req.append(token, logprob)
                 self.stats.tokens += 1
                 if req.finished:  # tokens after a stop in an accepted run are dropped
                     self.scheduler.release(req)
                     break
             touched.append(req)
-        self.scheduler.retire(step.plan.step_id)
+        self.scheduler.retire(plan.step_id)
         return touched
 
 

@@ -41,6 +41,11 @@ class Request:
     last_launched_step: int = -1
     new_tokens: list[int] = field(default_factory=list)  # added since the last output
     num_evictions: int = 0
+    # output tokens at which it ends by length: max_tokens, or the context limit if sooner
+    output_limit: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output_limit = min(self.params.max_tokens, self.max_len - len(self.prompt))
 
     @property
     def num_tokens(self) -> int:
@@ -62,8 +67,7 @@ class Request:
         return self._reaches_length(self.advance_bound)
 
     def _reaches_length(self, more: int) -> bool:
-        n = len(self.output) + more
-        return n >= self.params.max_tokens or len(self.prompt) + n >= self.max_len
+        return len(self.output) + more >= self.output_limit
 
     def append(self, token: int, logprob: TokenLogprob | None) -> None:
         """Adds one sampled token and decides whether the request is done."""
@@ -74,7 +78,7 @@ class Request:
         n = len(self.output)
         if token in self.stop_ids and n >= self.params.min_tokens:
             self.finish("stop")
-        elif n >= self.params.max_tokens or self.num_tokens >= self.max_len:
+        elif n >= self.output_limit:
             self.finish("length")
 
     def finish(self, reason: str) -> None:
@@ -85,12 +89,13 @@ class Request:
         out = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt,
-            token_ids=list(self.output),
             new_token_ids=self.new_tokens,
             finish_reason=self.finish_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
             num_drafted_tokens=self.num_drafted,
             num_accepted_tokens=self.num_accepted,
+            _all_tokens=self.output,
+            _all_logprobs=self.logprobs,
+            _length=len(self.output),
         )
         self.new_tokens = []
         return out

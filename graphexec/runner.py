@@ -207,8 +207,10 @@ class ModelRunner:
 
     # -- results ------------------------------------------------------------------------------
 
-    def fetch(self, launched: Launched) -> StepTokens:
-        """Waits for the step's results (normally long arrived) and returns them as Python."""
+    def fetch(self, launched: Launched, top_n: tuple[list, list] | None = None) -> StepTokens:
+        """Waits for the step's results (normally long arrived) and returns them as Python.
+        top_n: per prefill row and per decode row, how many top logprobs the request wants
+        (None: no logprobs for that row); only those are converted."""
         slot = self._d2h[launched.slot]
         if slot.event is not None and not slot.event.query():
             t0 = time.perf_counter()
@@ -216,17 +218,20 @@ class ModelRunner:
             self.wait_seconds += time.perf_counter() - t0
         r = self.max_rows + 1
 
-        def rows(start: int, n: int, counts: list[int]) -> list[Emitted]:
+        def rows(start: int, n: int, counts: list[int], wants: list) -> list[Emitted]:
             toks = slot.tokens[start:start + n].tolist()
-            if not launched.with_logprobs:
+            if not launched.with_logprobs or not any(w is not None for w in wants):
                 return [[(t, None) for t in toks[i][:c]] for i, c in enumerate(counts)]
+            width = max(w for w in wants if w is not None)
             lp = slot.logprob[start:start + n].tolist()
-            tv = slot.top_logprobs[start:start + n].tolist()
-            ti = slot.top_ids[start:start + n].tolist()
-            return [[(toks[i][j], TokenLogprob(toks[i][j], lp[i][j], dict(zip(ti[i][j], tv[i][j]))))
-                     for j in range(c)] for i, c in enumerate(counts)]
+            tv = slot.top_logprobs[start:start + n, :, :width].tolist()
+            ti = slot.top_ids[start:start + n, :, :width].tolist()
+            return [[(toks[i][j], None if w is None else TokenLogprob(
+                        toks[i][j], lp[i][j], dict(zip(ti[i][j][:w], tv[i][j][:w]))))
+                     for j in range(c)] for i, (c, w) in enumerate(zip(counts, wants))]
 
         counts = launched.prefill_counts
-        return StepTokens(prefill=rows(r, len(counts), counts),
-                          decode=rows(0, launched.num_decode,
-                                      slot.count[:launched.num_decode].tolist()))
+        n_dec = launched.num_decode
+        pre_n, dec_n = top_n or ([None] * len(counts), [None] * n_dec)
+        return StepTokens(prefill=rows(r, len(counts), counts, pre_n),
+                          decode=rows(0, n_dec, slot.count[:n_dec].tolist(), dec_n))

@@ -206,3 +206,20 @@ def test_abort_running_and_waiting():
     assert engine.pool.num_free == engine.pool.num_blocks
     with pytest.raises(ValueError):
         engine.abort("a")
+
+
+def test_streamed_outputs_are_snapshots():
+    """Each step's output shows the tokens (and logprobs) as of that step, also after the
+    request has grown: outputs read the request's lists up to their length at the step."""
+    engine = Engine("tiny", max_batch=2, num_kv_blocks=32)
+    engine.add_request("a", _prompts(1, seed=5)[0],
+                       SamplingParams(max_tokens=9, logprobs=1, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished():
+        seen += engine.step()
+    total = 0
+    for out in seen:
+        total += len(out.new_token_ids)
+        assert len(out.token_ids) == len(out.logprobs) == total
+        assert out.token_ids[-len(out.new_token_ids):] == out.new_token_ids or not out.new_token_ids
+    assert total == 9 and seen[-1].finished and not seen[0].finished
