@@ -28,6 +28,7 @@ class Ops:
     advance: Callable
     linear: Callable  # the projections: (x, weight, bias) -> x @ weight.T + bias
     norm_linear: Callable  # (x, residual, norm_w, eps, weight, bias) -> (proj(norm), sum)
+    silu_mul_linear: Callable  # (gate_up, weight, bias) -> proj(silu(gate) * up)
 
 
 REFERENCE_OPS = Ops(
@@ -47,6 +48,7 @@ REFERENCE_OPS = Ops(
     advance=advance.advance_ref,
     linear=linear.linear_ref,
     norm_linear=linear.norm_linear_ref,
+    silu_mul_linear=linear.silu_mul_linear_ref,
 )
 
 

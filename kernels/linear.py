@@ -3,13 +3,16 @@
 linear_ref is F.linear. norm_linear_ref is what the model computes before its qkv and gate_up
 projections, RMSNorm (after the residual add) then the projection, with the rounding points of
 kernels/rmsnorm.py: the Triton version fuses the norm into the projection's prologue and must
-give the same normed input, up to the projection's own summation order.
+give the same normed input, up to the projection's own summation order. silu_mul_linear_ref is
+the MLP's down projection with its activation, which the Triton version computes in the
+prologue.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .activation import silu_mul_ref
 from .rmsnorm import add_rms_norm_ref, rms_norm_ref
 
 
@@ -29,3 +32,9 @@ def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     else:
         normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
     return F.linear(normed, weight, bias), summed
+
+
+def silu_mul_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP's down projection of silu(gate) * up; gate_up: [M, 2 * I], gate first."""
+    return F.linear(silu_mul_ref(gate_up), weight, bias)

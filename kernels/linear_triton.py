@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
@@ -49,7 +50,8 @@ class LinearConfig:
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
-                   NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -93,6 +95,14 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         ks = k0 + rk
         k_ok = ks < k_hi
         xv = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded like
+            # kernels/activation_triton.py (silu to the dtype, then the product).
+            up = tl.load(x_rows + K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            g = xv.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+            xv = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
         if NORM:
             if HAS_RES:
                 rv = tl.load(r_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -134,28 +144,40 @@ def _split_sum_kernel(ws_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.con
 
 
 def pick_config(m: int, n: int, k: int) -> LinearConfig:
-    """Per-shape launch parameters (tools/tune_linear.py measures the candidates on a GPU)."""
-    block_m = 1 if m == 1 else (16 if m <= 16 else 64)
-    if block_m == 1:
-        block_n, block_k = 4, 512
+    """Per-shape launch parameters. These are reasoned starting points, not yet measured:
+    tools/tune_linear.py times them against every candidate on the GPU.
+
+    Streaming needs enough bytes in flight per SM (about 32 KB on an H100): at M = 1 many small
+    programs, each loading a few KB of weights per iteration; with tensor-core dots a W tile of
+    8 KB pipelined over 3 stages. K is split only when N alone gives too few programs, because
+    the partial-sum kernel costs one more launch."""
+    if m == 1:
+        block_m = 1
+        block_n = 16 if n >= 16384 else (4 if n >= 4096 else 2)
+        block_k = max(256, min(1024, 2048 // block_n))
+        want_programs = 1024
     else:
-        block_n, block_k = 32, 128
+        block_m = 16 if m <= 16 else 64
+        block_n, block_k = (16, 256) if block_m == 16 else (32, 128)
+        want_programs = 264
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
-    while programs * split < 264 and k // (split * 2) >= 4 * block_k:
+    while programs * split < want_programs and k // (split * 2) >= 2 * block_k:
         split *= 2
     return LinearConfig(block_m, block_n, block_k, split)
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16,
+def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1) -> bool:
+    """width: x's columns per weight column (2 for [gate | up])."""
+    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == width * weight.shape[1] and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16,
             torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
             and x.stride(-1) == 1 and x.is_cuda == weight.is_cuda)
 
 
-def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None):
-    m, k = x.shape
-    n = weight.shape[0]
+def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
+            gated: bool = False):
+    m = x.shape[0]
+    n, k = weight.shape
     cfg = config or pick_config(m, n, k)
     out = _new((m, n), x.dtype, x.device)
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
@@ -170,7 +192,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         else x, weight, bias if bias is not None else x, out, summed, ws,
         m, n, k, k_per_split, eps, x.stride(0),
         residual.stride(0) if residual is not None else 0,
-        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
+        HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -186,6 +209,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not supported(x, weight):
         return F.linear(x, weight, bias)
     return _launch(x, None, None, 0.0, weight, bias, config)[0]
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None,
+                    config: LinearConfig | None = None) -> torch.Tensor:
+    """linear(silu(gate) * up): the MLP's activation computed in the down projection's
+    prologue, saving a launch and the intermediate's round trip through memory."""
+    if not supported(gate_up, weight, width=2):
+        return F.linear(silu_mul(gate_up), weight, bias)
+    return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True)[0]
+
+
+def silu_mul_then_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Two kernels: the Triton activation, then cuBLAS."""
+    return F.linear(silu_mul(gate_up), weight, bias)
 
 
 def norm_then_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

@@ -55,8 +55,10 @@ TRITON_OPS = Ops(
     advance=advance_triton.advance,
     linear=linear_ref,  # cuBLAS
     norm_linear=linear_triton.norm_then_linear,
+    silu_mul_linear=linear_triton.silu_mul_then_linear,
 )
 
 # The same with the projections on Triton (EngineConfig.projections="triton").
 TRITON_PROJECTION_OPS = replace(TRITON_OPS, linear=linear_triton.linear,
-                                norm_linear=linear_triton.norm_linear)
+                                norm_linear=linear_triton.norm_linear,
+                                silu_mul_linear=linear_triton.silu_mul_linear)

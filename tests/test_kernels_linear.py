@@ -1,8 +1,9 @@
 """The decode projections (kernels/linear_triton.py) against PyTorch: F.linear in fp32 on the
-same inputs, and the RMSNorm reference (kernels/rmsnorm.py) for the fused prologue."""
+same inputs, and the RMSNorm and silu * mul references for the fused prologues."""
 import pytest
 import torch
 
+from graphexec.kernels import activation as act_ref
 from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test, norm_ref
 
 LOW = [torch.bfloat16, torch.float16]
@@ -68,6 +69,18 @@ def test_norm_linear(K, dtype, m, n, k, config, with_residual):
     else:
         assert torch.equal(summed, want_sum)
     _check(out, _ref_linear(normed, w), dtype, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("m,n,k,config", CASES)
+def test_silu_mul_linear(K, dtype, m, n, k, config):
+    gate_up = _randn((m, 2 * k), dtype, 13)
+    w = _randn((n, k), dtype, 14, k ** -0.5)
+    cfg = _cfg(K, *config) if config else None
+    out = K.lt.silu_mul_linear(gate_up, w, config=cfg)
+    _check(out, _ref_linear(act_ref.silu_mul_ref(gate_up), w), dtype, "reduction")
 
 
 @kernel_test

@@ -5,8 +5,8 @@ decode step: inside a CUDA graph, over enough weight copies that nothing is serv
     python tools/tune_linear.py --models llama-1b llama-8b --batches 1 16 64 --out out/
 
 Prints, per (shape, M), cuBLAS and the best configs with their fraction of copy bandwidth, and
-the fused RMSNorm prologue's cost; writes everything to tune_linear.json. pick_config in
-kernels/linear_triton.py is set from these runs (docs/benchmarks.md has the numbers).
+what the fused RMSNorm and silu * mul prologues cost; writes everything to tune_linear.json.
+pick_config in kernels/linear_triton.py is to be set from these runs.
 """
 from __future__ import annotations
 
@@ -131,6 +131,12 @@ def main() -> None:
                     row["separate_norm_us"] = time_graph(
                         lambda i: lt.linear(nr.add_rms_norm(x, r, nw, 1e-5)[0], ws[i]),
                         copies) * 1e6
+                if name == "down":  # the activation that feeds it, fused or not
+                    gu = torch.randn(m, 2 * k, device="cuda", dtype=dt)
+                    row["fused_act_us"] = time_graph(
+                        lambda i: lt.silu_mul_linear(gu, ws[i]), copies) * 1e6
+                    row["separate_act_us"] = time_graph(
+                        lambda i: lt.linear(lt.silu_mul(gu), ws[i]), copies) * 1e6
                 results.append(row)
                 best = timed[0][0] if timed else float("nan")
                 line = (f"{model:9s} {name:8s} M={m:<3d} floor {floor * 1e6:7.1f} us | cublas "
@@ -140,6 +146,9 @@ def main() -> None:
                 if "fused_norm_us" in row:
                     line += (f" | norm fused {row['fused_norm_us']:.1f} vs separate "
                              f"{row['separate_norm_us']:.1f}")
+                if "fused_act_us" in row:
+                    line += (f" | silu*mul fused {row['fused_act_us']:.1f} vs separate "
+                             f"{row['separate_act_us']:.1f}")
                 print(line, flush=True)
                 for us, cfg in timed[1:args.top]:
                     print(f"{'':30s} {us:7.1f} {cfg}")

@@ -86,7 +86,7 @@ class LlamaModel:
             h = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
             gate_up, residual = ops.norm_linear(h, residual, layer.post_norm, cfg.rms_norm_eps,
                                                 layer.gate_up)
-            h = ops.linear(ops.silu_mul(gate_up), layer.down)
+            h = ops.silu_mul_linear(gate_up, layer.down)
         x, _ = ops.add_rms_norm(h, residual, w.norm, cfg.rms_norm_eps)
         return x
 
