@@ -45,6 +45,15 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self) -> None:
+        pow2 = lambda v: v >= 1 and v & (v - 1) == 0
+        dims = (self.block_m, self.block_n, self.block_k)
+        if not all(pow2(v) for v in dims) or (self.block_m > 1 and min(dims) < 16):
+            raise ValueError(f"LinearConfig blocks must be powers of two, and at least 16 for "
+                             f"tensor-core dots (block_m > 1); got {dims}")
+        if self.split_k < 1:
+            raise ValueError(f"LinearConfig split_k must be >= 1, got {self.split_k}")
+
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M", "k_per_split"])
@@ -53,7 +62,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   STAGES: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -91,7 +100,9 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
+    # num_stages only pipelines loads that do.
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         ks = k0 + rk
         k_ok = ks < k_hi
         xv = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -139,7 +150,7 @@ def _split_sum_kernel(ws_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.con
     ok = offs < total
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * total + offs, mask=ok, other=0.0)
+        acc += tl.load(ws_ptr + s * total.to(tl.int64) + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -167,11 +178,17 @@ def pick_config(m: int, n: int, k: int) -> LinearConfig:
     return LinearConfig(block_m, block_n, block_k, split)
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1) -> bool:
-    """width: x's columns per weight column (2 for [gate | up])."""
-    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == width * weight.shape[1] and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16,
-            torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
-            and x.stride(-1) == 1 and x.is_cuda == weight.is_cuda)
+def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
+              *others: torch.Tensor | None, max_rows: int = MAX_ROWS) -> bool:
+    """Whether the kernel takes these operands. width: x's columns per weight column (2 for
+    [gate | up]); others: bias, residual, norm weight (None where absent) must match x's dtype
+    and device and be dense, else the caller falls back to torch."""
+    if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == width * weight.shape[1]
+            and 0 < x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.is_cuda or _INTERPRET) and x.stride(-1) == 1):
+        return False
+    return all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+               for t in (weight, *others) if t is not None)
 
 
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
@@ -181,8 +198,6 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     cfg = config or pick_config(m, n, k)
     out = _new((m, n), x.dtype, x.device)
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
@@ -195,7 +210,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
+        STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
@@ -206,7 +221,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: LinearConfig | None = None) -> torch.Tensor:
-    if not supported(x, weight):
+    if not supported(x, weight, 1, bias):
         return F.linear(x, weight, bias)
     return _launch(x, None, None, 0.0, weight, bias, config)[0]
 
@@ -216,7 +231,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
                     config: LinearConfig | None = None) -> torch.Tensor:
     """linear(silu(gate) * up): the MLP's activation computed in the down projection's
     prologue, saving a launch and the intermediate's round trip through memory."""
-    if not supported(gate_up, weight, width=2):
+    if not supported(gate_up, weight, 2, bias):
         return F.linear(silu_mul(gate_up), weight, bias)
     return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True)[0]
 
@@ -243,7 +258,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel for up to FUSE_MAX_ROWS rows. Beyond that every program re-reading the rows
     for their mean square costs more than the separate norm launch it saves."""
-    if (not supported(x, weight) or x.shape[0] > FUSE_MAX_ROWS
+    if (not supported(x, weight, 1, bias, residual, norm_weight) or x.shape[0] > FUSE_MAX_ROWS
             or (residual is not None and residual.shape != x.shape)):
         return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
     return _launch(x, residual, norm_weight, eps, weight, bias, config)

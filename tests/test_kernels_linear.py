@@ -40,7 +40,7 @@ CASES = [(*shape, cfg) for shape in SHAPES for cfg in CONFIGS
 @pytest.mark.parametrize("m,n,k,config", CASES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear(K, dtype, m, n, k, config, bias):
-    x = _randn((m, k), dtype, 1)
+    x = _randn((m, k + 8), dtype, 1)[:, 4:k + 4]  # rows strided wider than K
     w = _randn((n, k), dtype, 2, k ** -0.5)
     b = _randn((n,), dtype, 3) if bias else None
     cfg = _cfg(K, *config) if config else None
@@ -52,14 +52,15 @@ def test_linear(K, dtype, m, n, k, config, bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("m,n,k,config", CASES)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_linear(K, dtype, m, n, k, config, with_residual):
+@pytest.mark.parametrize("with_residual,bias", [(False, False), (True, False), (True, True)])
+def test_norm_linear(K, dtype, m, n, k, config, with_residual, bias):
     x = _randn((m, k), dtype, 4, 3.0)
+    b = _randn((n,), dtype, 15) if bias else None
     res = _randn((m, k), dtype, 5, 3.0) if with_residual else None
     nw = (1.0 + 0.2 * _randn((k,), torch.float32, 6)).to(dtype)
     w = _randn((n, k), dtype, 7, k ** -0.5)
     cfg = _cfg(K, *config) if config else None
-    out, summed = K.lt.norm_linear(x, res, nw, 1e-6, w, config=cfg)
+    out, summed = K.lt.norm_linear(x, res, nw, 1e-6, w, b, config=cfg)
     if res is None:
         normed, want_sum = norm_ref.rms_norm_ref(x, nw, 1e-6), x
     else:
@@ -68,7 +69,7 @@ def test_norm_linear(K, dtype, m, n, k, config, with_residual):
         _check(summed, want_sum, dtype)
     else:
         assert torch.equal(summed, want_sum)
-    _check(out, _ref_linear(normed, w), dtype, "reduction")
+    _check(out, _ref_linear(normed, w, b), dtype, "reduction")
 
 
 @kernel_test
@@ -135,3 +136,14 @@ def test_model_forward_with_triton_projections(K, hf_dirs_moderate, packed):
             err = ((mine - exact).norm() / exact.norm()).item()
             base_err = ((base - exact).norm() / exact.norm()).item()
             assert err <= 1.25 * base_err + 1e-3, (err, base_err)
+
+
+def test_linear_config_is_checked():
+    pytest.importorskip("triton")
+    from graphexec.kernels.linear_triton import LinearConfig
+    with pytest.raises(ValueError, match="powers of two"):
+        LinearConfig(16, 8, 128)  # a tensor-core dot needs N >= 16
+    with pytest.raises(ValueError, match="powers of two"):
+        LinearConfig(1, 3, 128)
+    with pytest.raises(ValueError, match="split_k"):
+        LinearConfig(1, 4, 128, 0)
