@@ -42,6 +42,9 @@ class EngineConfig:
     # rows, RMSNorm fused in front). cuBLAS stays the default until the Triton ones are measured
     # faster on the GPU (tools/tune_linear.py, tools/bench.py decode).
     projections: str = "cublas"
+    # Kernels whose per-row results do not depend on the batch size (CUDA + Triton): a draft
+    # that computes what the target computes is then accepted every time, in bf16 too.
+    batch_invariant: bool = False
     speculative: object | None = None  # a SpeculativeConfig
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
     graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
@@ -103,3 +106,13 @@ class EngineConfig:
 
         if self.projections not in PROJECTIONS:
             raise ValueError(f"projections={self.projections!r} is not one of {PROJECTIONS}")
+        if self.batch_invariant:
+            if not cuda or self.use_triton is False:
+                raise ValueError("batch_invariant=True needs the Triton kernels on a CUDA "
+                                 f"device, got device={self.device}, use_triton={self.use_triton}")
+            from .kernels.linear_triton import INVARIANT_MAX_ROWS
+
+            k = self.speculative.num_tokens if self.speculative is not None else 0
+            if self.max_batch * (k + 1) > INVARIANT_MAX_ROWS:
+                raise ValueError(f"batch_invariant=True: max_batch={self.max_batch} x "
+                                 f"{k + 1} verified positions exceeds {INVARIANT_MAX_ROWS} rows")

@@ -68,7 +68,7 @@ class Engine:
         self.max_model_len = max_len
         num_blocks = _num_kv_blocks(cfg, mc, max_len)
         self.kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
-        ops = select_ops(cfg.device, cfg.use_triton, cfg.projections)
+        ops = select_ops(cfg.device, cfg.use_triton, cfg.projections, cfg.batch_invariant)
         # positions past the limit: the extra step after a finish, and K draft positions
         spec_k = cfg.speculative.num_tokens if cfg.speculative is not None else 0
         self.model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + spec_k)

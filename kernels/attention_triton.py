@@ -207,6 +207,27 @@ def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_
     return max(1, min(splits, max_tiles, 64))
 
 
+def _decode_blocks(d: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): the head dim padded, and keys per tile."""
+    block_d = max(16, triton.next_power_of_2(d))
+    return block_d, 64 if block_d <= 128 else 32
+
+
+INVARIANT_SPLITS = 16
+
+
+def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """decode_attention with the split count taken from the block table's width only, never
+    from the batch: a row's context is cut at the same places (they depend on its length and
+    the split count) whether it runs with 1 row or 320, as a draft row or a verify row."""
+    _, block_n = _decode_blocks(q.shape[-1])
+    max_tiles = max(1, triton.cdiv(block_tables.shape[1] * k_cache.shape[1], block_n))
+    return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                   min(max_tiles, INVARIANT_SPLITS))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
@@ -232,8 +253,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q = q.contiguous()
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
-    block_d = max(16, triton.next_power_of_2(d))
-    block_n = 64 if block_d <= 128 else 32
+    block_d, block_n = _decode_blocks(d)
     m = block_tables.shape[1]
     if num_splits is None:
         num_splits = _decode_num_splits(b, hk, m, bs, block_n, q.device)

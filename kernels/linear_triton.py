@@ -63,9 +63,12 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    STAGES: tl.constexpr, UPCAST: tl.constexpr):
-    pid_n = tl.program_id(0)
+    # Row blocks vary fastest: the row blocks of one column block run together and share its
+    # weight tile through L2 instead of each streaming it from HBM.
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % m_blocks
+    pid_n = tl.program_id(0) // m_blocks
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
     dtype = out_ptr.dtype.element_ty
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,7 +204,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
     _linear_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None
         else x, weight, bias if bias is not None else x, out, summed, ws,
@@ -262,3 +265,48 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
             or (residual is not None and residual.shape != x.shape)):
         return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
     return _launch(x, residual, norm_weight, eps, weight, bias, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch-invariant projections (EngineConfig.batch_invariant)
+
+INVARIANT_MAX_ROWS = 4096  # past this (long prefills) cuBLAS: only decode and verify need it
+
+
+def invariant_config(n: int, k: int) -> LinearConfig:
+    """One config per weight shape, whatever the row count: a row's sum then runs over the same
+    K blocks with the same tensor-core tiles in the same order at every batch size, so a draft
+    step over B rows and a verify over B * (K + 1) rows give bitwise the same logits for the
+    same token at the same position."""
+    block_n, block_k = 32, 128
+    split = 1
+    while triton.cdiv(n, block_n) * split < 264 and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return LinearConfig(64, block_n, block_k, split)
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not supported(x, weight, 1, bias, max_rows=INVARIANT_MAX_ROWS):
+        return F.linear(x, weight, bias)
+    return _launch(x, None, None, 0.0, weight, bias, invariant_config(*weight.shape))[0]
+
+
+def silu_mul_linear_invariant(gate_up: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not supported(gate_up, weight, 2, bias, max_rows=INVARIANT_MAX_ROWS):
+        return F.linear(silu_mul(gate_up), weight, bias)
+    return _launch(gate_up, None, None, 0.0, weight, bias, invariant_config(*weight.shape),
+                   gated=True)[0]
+
+
+def norm_linear_invariant(x: torch.Tensor, residual: torch.Tensor | None,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm stays its own kernel: fused, its mean square would be summed in the
+    projection's K blocks, and re-read by every program of a large verify batch."""
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return linear_invariant(normed, weight, bias), summed

@@ -62,3 +62,12 @@ TRITON_OPS = Ops(
 TRITON_PROJECTION_OPS = replace(TRITON_OPS, linear=linear_triton.linear,
                                 norm_linear=linear_triton.norm_linear,
                                 silu_mul_linear=linear_triton.silu_mul_linear)
+
+
+# Per-row results that do not depend on the batch (EngineConfig.batch_invariant): what lets a
+# bf16 draft that equals the target be accepted every time.
+BATCH_INVARIANT_OPS = replace(TRITON_OPS, name="triton-batch-invariant",
+                              linear=linear_triton.linear_invariant,
+                              norm_linear=linear_triton.norm_linear_invariant,
+                              silu_mul_linear=linear_triton.silu_mul_linear_invariant,
+                              decode_attention=attention_triton.decode_attention_invariant)

@@ -74,7 +74,7 @@ def test_request_larger_than_kv_cache_is_rejected():
 
 @pytest.mark.parametrize("opt,val", [("dtype", "int8"), ("max_batch", 0), ("block_size", -1),
                                      ("cuda_graphs", True), ("num_kv_blocks", 0),
-                                     ("projections", "cutlass")])
+                                     ("projections", "cutlass"), ("batch_invariant", True)])
 def test_bad_engine_options(opt, val):
     with pytest.raises(ValueError, match=opt):
         Engine("tiny", device="cpu", **{opt: val})

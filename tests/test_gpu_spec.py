@@ -55,3 +55,19 @@ def test_lifecycle_state_machine_with_speculation_on_gpu():
     run_state_machine_as_test(AsyncEqualsSyncSpeculativeOnGpu, settings=settings(
         max_examples=10, stateful_step_count=30, deadline=None, database=None,
         derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bf16_self_draft_is_always_accepted_with_batch_invariant_kernels(async_scheduling):
+    """bf16: the draft runs B rows, the verify B * (K + 1); with the default kernels those
+    shapes round differently and a draft equal to the target is sometimes rejected. With the
+    batch-invariant kernels every draft is accepted and the output equals plain decoding's."""
+    opts = dict(GPU, dtype="bfloat16", batch_invariant=True, cuda_graphs=True,
+                async_scheduling=async_scheduling)
+    plain = [o.token_ids for o in LLM("tiny", **opts).generate(PROMPTS, GREEDY)]
+    llm = LLM("tiny", speculative=SpeculativeConfig("self:2", 4), **opts)
+    outs = llm.generate(PROMPTS, GREEDY)
+    drafted = sum(o.num_drafted_tokens for o in outs)
+    assert drafted > 0
+    assert sum(o.num_accepted_tokens for o in outs) == drafted
+    assert [o.token_ids for o in outs] == plain

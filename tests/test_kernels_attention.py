@@ -100,6 +100,26 @@ def test_decode_attention_many_splits_short_rows(K):
         _check(out, ref, dtype, "attention")
 
 
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_invariant_rows_do_not_depend_on_batch(K, dtype):
+    """The batch-invariant variant: each row alone gives bitwise what it gives in the batch
+    (the default variant picks its split count from the batch size, so it may not)."""
+    b, ctx = big((9, 1500), (3, 70))
+    lens = _lengths(b, ctx, 16, 31)
+    kc, vc, _, _, tables = _paged_cache(lens, 2, 64, 16, dtype, 32)
+    q = _randn((b, 8, 64), dtype, 33)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    full = K.at.decode_attention_invariant(q, kc, vc, tables, sl, 0.125)
+    _check(full, attn_ref.paged_decode_attention_ref(q, kc, vc, tables, sl, 0.125), dtype,
+           "attention")
+    for i in range(b):
+        one = K.at.decode_attention_invariant(q[i:i + 1], kc, vc, tables[i:i + 1],
+                                              sl[i:i + 1], 0.125)
+        assert torch.equal(one, full[i:i + 1]), i
+
+
 # ----------------------------------------------------------------------------------------------
 # prefill attention
 

@@ -103,6 +103,30 @@ def test_linear_row_result_does_not_depend_on_batch(K, config):
 
 @kernel_test
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["linear", "silu_mul", "norm"])
+def test_invariant_projections_do_not_depend_on_batch(K, kind):
+    """EngineConfig.batch_invariant: a row gives bitwise the same result at every row count
+    up to a verify batch (here 1 to 100 rows, beyond one 64-row tile)."""
+    n, k = big((1024, 2048), (40, 128))
+    x = _randn((100, 2 * k if kind == "silu_mul" else k), torch.bfloat16, 16)
+    res = _randn((100, k), torch.bfloat16, 17)
+    nw = _randn((k,), torch.bfloat16, 18)
+    w = _randn((n, k), torch.bfloat16, 19, k ** -0.5)
+
+    def run(m):
+        if kind == "linear":
+            return K.lt.linear_invariant(x[:m], w)
+        if kind == "silu_mul":
+            return K.lt.silu_mul_linear_invariant(x[:m], w)
+        return K.lt.norm_linear_invariant(x[:m], res[:m], nw, 1e-6, w)[0]
+
+    full = run(100)
+    for m in (1, 5, 64, 65):
+        assert torch.equal(run(m), full[:m]), m
+
+
+@kernel_test
+@pytest.mark.gpu
 def test_linear_falls_back_where_unsupported(K):
     """fp32 (a tensor-core dot would round it to tf32) and more than MAX_ROWS rows use torch."""
     x = _randn((3, 64), torch.float32, 10)

@@ -312,6 +312,10 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--projections", nargs="+", default=["cublas"],
                     choices=["cublas", "triton"], help="decode: who runs the projections")
+    ap.add_argument("--spec-ks", nargs="+", type=int, default=[1, 2, 4],
+                    help="spec: K of the overhead set-ups")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="spec: run every set-up on the batch-invariant kernels")
     ap.add_argument("--diagnose", action="store_true",
                     help="time schedule/launch/reconcile per step, list the slowest steps")
     ap.add_argument("--out", default="out")
@@ -326,7 +330,8 @@ def main() -> None:
         import bench_spec
 
         rows = bench_spec.bench_spec(os.path.join(args.out, "spec.json"),
-                                     batches=args.batches or [1, 16, 64])
+                                     batches=args.batches or [1, 16, 64], ks=args.spec_ks,
+                                     batch_invariant=args.batch_invariant)
         md = bench_spec.markdown(rows, command)
         with open(os.path.join(args.out, "spec.md"), "w") as f:
             f.write(md + "\n")

@@ -53,10 +53,12 @@ def _run(llm: LLM, batch: int, async_mode: bool, prompt_len: int, new: int) -> d
                 tokens_per_iteration=(tokens - batch) / max(len(timeline), 1) / batch)
 
 
-def _engine(spec: SpeculativeConfig | None, batches: list[int], max_len: int) -> LLM:
+def _engine(spec: SpeculativeConfig | None, batches: list[int], max_len: int,
+            batch_invariant: bool) -> LLM:
     blocks = max(batches) * -(-(max_len + 8) // 16) + 16
     return LLM(TARGET, max_batch=max(batches), buckets=sorted(set(batches)),
-               max_model_len=max_len, num_kv_blocks=blocks, speculative=spec)
+               max_model_len=max_len, num_kv_blocks=blocks, speculative=spec,
+               batch_invariant=batch_invariant)
 
 
 def _damp(llm: LLM) -> None:
@@ -66,7 +68,8 @@ def _damp(llm: LLM) -> None:
 
 
 def bench_spec(path: str, batches=(1, 16, 64), ks=(1, 2, 4), prompt_len: int = 128,
-               new: int = 128) -> list[dict]:
+               new: int = 128, batch_invariant: bool = False) -> list[dict]:
+    """batch_invariant: every set-up (plain too) on the batch-invariant kernels."""
     max_len = prompt_len + new + 16
     n_layers = preset(TARGET).num_layers
     setups = [("plain", None, False)]
@@ -76,12 +79,13 @@ def bench_spec(path: str, batches=(1, 16, 64), ks=(1, 2, 4), prompt_len: int = 1
                 True)]
     rows = []
     for name, spec, damped in setups:
-        llm = _engine(spec, list(batches), max_len)
+        llm = _engine(spec, list(batches), max_len, batch_invariant)
         if damped:
             _damp(llm)
         for batch in batches:
             for async_mode in (False, True):
-                res = dict(setup=name, **_run(llm, batch, async_mode, prompt_len, new))
+                res = dict(setup=name, batch_invariant=batch_invariant,
+                           **_run(llm, batch, async_mode, prompt_len, new))
                 print(json.dumps(res), flush=True)
                 rows.append(res)
         del llm
