@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tolerance", type=float, default=5e-2, help="max logprob difference")
+    ap.add_argument("--projections", default="cublas", choices=["cublas", "triton"])
+    ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--out", default="manifest.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -70,7 +72,8 @@ def main() -> int:
     t0 = time.perf_counter()
     max_batch = max(args.buckets) if args.buckets else args.max_batch
     engine = Engine(args.model, dtype=args.dtype, max_batch=max_batch, buckets=args.buckets,
-                    max_model_len=args.max_model_len, cuda_graphs=True)
+                    max_model_len=args.max_model_len, cuda_graphs=True,
+                    projections=args.projections, batch_invariant=args.batch_invariant)
     start_s = time.perf_counter() - t0
     reports = {r.bucket: [] for r in engine.runner.graphs.reports}
     for r in engine.runner.graphs.reports:
