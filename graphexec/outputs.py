@@ -13,7 +13,7 @@ class TokenLogprob:
     top: dict[int, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's state after a step. `token_ids` and `logprobs` are cumulative: they are
     read, on access, from the request's own append-only lists up to the length they had at this

@@ -15,7 +15,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)  # slots: attribute access on the per-row hot path
 class Request:
     request_id: str
     prompt: list[int]

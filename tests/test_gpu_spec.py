@@ -37,12 +37,16 @@ def test_greedy_speculative_graphs_equal_plain(plain_greedy_gpu, draft, k, async
     assert rate == 1.0 if draft == "self:2" else rate < 0.5
 
 
-def test_acceptance_is_the_same_in_sync_and_async_on_gpu():
+@pytest.mark.parametrize("dtype,batch_invariant", [("float32", False), ("bfloat16", True)])
+def test_acceptance_is_the_same_in_sync_and_async_on_gpu(dtype, batch_invariant):
+    """bf16 needs the batch-invariant kernels: sync and async shrink the batch at different
+    steps, and with batch-dependent kernels a row's logits would change with it."""
     rng = random.Random(5)
     check_acceptance_parity(
         [SamplingParams(max_tokens=rng.randint(5, 40), temperature=rng.choice([0, 0.8]),
                         top_p=rng.choice([1.0, 0.9]), seed=i, ignore_eos=True)
-         for i in range(len(PROMPTS))], **GPU)
+         for i in range(len(PROMPTS))],
+        **dict(GPU, dtype=dtype, batch_invariant=batch_invariant))
 
 
 class AsyncEqualsSyncSpeculativeOnGpu(AsyncEqualsSync):
