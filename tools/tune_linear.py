@@ -123,6 +123,8 @@ def main() -> None:
                 shipped = lt.pick_config(m, n, k)
                 row["shipped_us"] = time_graph(lambda i: lt.linear(x, ws[i]), copies) * 1e6
                 row["shipped"] = shipped.__dict__
+                row["invariant_us"] = time_graph(lambda i: lt.linear_invariant(x, ws[i]),
+                                                 copies) * 1e6
                 if name in ("qkv", "gate_up"):  # the norm that feeds them, fused or not
                     r = torch.randn(m, k, device="cuda", dtype=dt)
                     nw = torch.ones(k, device="cuda", dtype=dt)
@@ -142,7 +144,8 @@ def main() -> None:
                 line = (f"{model:9s} {name:8s} M={m:<3d} floor {floor * 1e6:7.1f} us | cublas "
                         f"{row['cublas_us']:7.1f} ({floor * 1e6 / row['cublas_us']:.2f}) | best "
                         f"{best:7.1f} ({floor * 1e6 / best:.2f}) {timed[0][1] if timed else ''}"
-                        f" | shipped {row['shipped_us']:7.1f}")
+                        f" | shipped {row['shipped_us']:7.1f} | invariant "
+                        f"{row['invariant_us']:7.1f}")
                 if "fused_norm_us" in row:
                     line += (f" | norm fused {row['fused_norm_us']:.1f} vs separate "
                              f"{row['separate_norm_us']:.1f}")
