@@ -29,15 +29,16 @@ SHAPES = big([(1, 3072, 2048), (1, 2048, 8192), (5, 16384, 2048), (16, 2048, 204
 CONFIGS = big([None, (1, 8, 256, 1), (1, 4, 512, 4), (16, 32, 128, 1), (16, 16, 128, 3),
                (64, 64, 64, 2)],
               [None, (1, 8, 32, 1), (1, 4, 32, 3), (16, 16, 32, 2), (64, 16, 32, 1)])
-# block_m 1 is the M == 1 kernel: only paired with one-row shapes.
-CASES = [(*shape, cfg) for shape in SHAPES for cfg in CONFIGS
-         if cfg is None or cfg[0] != 1 or shape[0] == 1]
+# block_m 1 is the M == 1 kernel: only paired with one-row shapes. fp16 takes the same code as
+# bf16 but for the element type: the shipped configs only, to keep the GPU suite short.
+CASES = [(dtype, *shape, cfg) for shape in SHAPES for cfg in CONFIGS for dtype in LOW
+         if (cfg is None or cfg[0] != 1 or shape[0] == 1)
+         and (dtype == torch.bfloat16 or cfg is None)]
 
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("m,n,k,config", CASES)
+@pytest.mark.parametrize("dtype,m,n,k,config", CASES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear(K, dtype, m, n, k, config, bias):
     x = _randn((m, k + 8), dtype, 1)[:, 4:k + 4]  # rows strided wider than K
@@ -50,8 +51,7 @@ def test_linear(K, dtype, m, n, k, config, bias):
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("m,n,k,config", CASES)
+@pytest.mark.parametrize("dtype,m,n,k,config", CASES)
 @pytest.mark.parametrize("with_residual,bias", [(False, False), (True, False), (True, True)])
 def test_norm_linear(K, dtype, m, n, k, config, with_residual, bias):
     x = _randn((m, k), dtype, 4, 3.0)
@@ -74,8 +74,7 @@ def test_norm_linear(K, dtype, m, n, k, config, with_residual, bias):
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("m,n,k,config", CASES)
+@pytest.mark.parametrize("dtype,m,n,k,config", CASES)
 def test_silu_mul_linear(K, dtype, m, n, k, config):
     gate_up = _randn((m, 2 * k), dtype, 13)
     w = _randn((n, k), dtype, 14, k ** -0.5)
