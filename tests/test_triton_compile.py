@@ -167,3 +167,6 @@ def test_model_kernels_compile(compiled):
                 "_silu_mul_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
                 "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel"}
     assert expected <= names, expected - names
+    for name, kernel in compiled:  # bf16 tensors are read with vector or async loads; a
+        # broadcast vector (a norm weight spread one element per thread) may load as scalars
+        assert _weight_loads(kernel)[1] <= 2, name
