@@ -110,9 +110,4 @@ class EngineConfig:
             if not cuda or self.use_triton is False:
                 raise ValueError("batch_invariant=True needs the Triton kernels on a CUDA "
                                  f"device, got device={self.device}, use_triton={self.use_triton}")
-            from .kernels.linear_triton import INVARIANT_MAX_ROWS
 
-            k = self.speculative.num_tokens if self.speculative is not None else 0
-            if self.max_batch * (k + 1) > INVARIANT_MAX_ROWS:
-                raise ValueError(f"batch_invariant=True: max_batch={self.max_batch} x "
-                                 f"{k + 1} verified positions exceeds {INVARIANT_MAX_ROWS} rows")

@@ -228,6 +228,15 @@ def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                    min(max_tiles, INVARIANT_SPLITS))
 
 
+def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                                block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """prefill_attention with one query-tile size whatever the batch's token count: a prompt's
+    attention (and so its KV downstream) is then the same in any prefill batch."""
+    return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                             block_m=64)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
@@ -367,9 +376,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                      block_tables: torch.Tensor, scale: float,
+                      block_m: int | None = None) -> torch.Tensor:
     """Causal varlen attention. q: [T, Hq, D] packed; sequence i owns rows
-    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last tokens (query j at seq_lens[i] - q_len + j)."""
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last tokens (query j at seq_lens[i] - q_len + j).
+    block_m: queries per tile (default: from the token count, 16..64)."""
     t, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
     n_seq = seq_lens.shape[0]
@@ -385,7 +396,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q = q.contiguous()
     g = hq // hk
     block_d = max(16, triton.next_power_of_2(d))
-    block_m = 64 if t >= 64 else max(16, triton.next_power_of_2(t))
+    if block_m is None:
+        block_m = 64 if t >= 64 else max(16, triton.next_power_of_2(t))
     ieee = _ieee_dot(q.dtype, k_cache.dtype)
     block_n = 32 if (ieee or block_d > 128) else 64
     n_tiles = triton.cdiv(t, block_m) + n_seq  # >= sum_i cdiv(q_len_i, block_m)

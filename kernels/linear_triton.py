@@ -270,14 +270,18 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 # ----------------------------------------------------------------------------------------------
 # Batch-invariant projections (EngineConfig.batch_invariant)
 
-INVARIANT_MAX_ROWS = 4096  # past this (long prefills) cuBLAS: only decode and verify need it
+# No row limit: prefills must be invariant too, since sync and async mode admit requests at
+# different steps and so pack different prefill batches (long prefills pay for it: this kernel
+# is no GEMM for thousands of rows).
+INVARIANT_MAX_ROWS = 1 << 62
 
 
 def invariant_config(n: int, k: int) -> LinearConfig:
     """One config per weight shape, whatever the row count: a row's sum then runs over the same
     K blocks with the same tensor-core tiles in the same order at every batch size, so a draft
     step over B rows and a verify over B * (K + 1) rows give bitwise the same logits for the
-    same token at the same position."""
+    same token at the same position, and a prompt's KV does not depend on the prefill batch it
+    was packed into."""
     block_n, block_k = 32, 128
     split = 1
     while triton.cdiv(n, block_n) * split < 264 and k // (split * 2) >= 2 * block_k:

@@ -70,4 +70,5 @@ BATCH_INVARIANT_OPS = replace(TRITON_OPS, name="triton-batch-invariant",
                               linear=linear_triton.linear_invariant,
                               norm_linear=linear_triton.norm_linear_invariant,
                               silu_mul_linear=linear_triton.silu_mul_linear_invariant,
-                              decode_attention=attention_triton.decode_attention_invariant)
+                              decode_attention=attention_triton.decode_attention_invariant,
+                              prefill_attention=attention_triton.prefill_attention_invariant)

@@ -158,3 +158,26 @@ def test_prefill_attention(K, dtype, seqs, hq, hk, d, bs):
     ref = attn_ref.paged_prefill_attention_ref(q, kc, vc, cu, sl, tables, scale)
     out = K.ops.prefill_attention(q, kbad, vbad, cu, sl, tables, scale)
     _check(out, ref, dtype, "attention")
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_prefill_attention_invariant_sequence_does_not_depend_on_batch(K):
+    """The batch-invariant variant: a prompt alone gives bitwise what it gives packed with
+    others (the default variant sizes its query tiles from the batch's token count)."""
+    dtype = torch.bfloat16
+    q_lens = big([5, 200, 33], [3, 20, 7])
+    kc, vc, _, _, tables = _paged_cache(q_lens, 2, 64, 16, dtype, 34)
+    q = _randn((sum(q_lens), 8, 64), dtype, 35)
+    cu_list = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
+    sl = torch.tensor(q_lens, dtype=torch.int32, device=DEV)
+    full = K.at.prefill_attention_invariant(q, kc, vc, cu, sl, tables, 0.125)
+    _check(full, attn_ref.paged_prefill_attention_ref(q, kc, vc, cu, sl, tables, 0.125), dtype,
+           "attention")
+    for i, n in enumerate(q_lens):
+        rows = slice(cu_list[i], cu_list[i + 1])
+        one = K.at.prefill_attention_invariant(
+            q[rows], kc, vc, torch.tensor([0, n], dtype=torch.int32, device=DEV), sl[i:i + 1],
+            tables[i:i + 1], 0.125)
+        assert torch.equal(one, full[rows]), i

@@ -128,7 +128,8 @@ def test_model_kernels_compile(compiled):
     from graphexec.kernels import rope
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
     from graphexec.kernels.attention_triton import (decode_attention_invariant,
-                                                     decode_attention_splits)
+                                                     decode_attention_splits,
+                                                     prefill_attention_invariant)
 
     t, hq, hk, d, bs, nb = 6, 32, 8, 128, 16, 64
     x = _bf16(t, 2048)
@@ -155,6 +156,8 @@ def test_model_kernels_compile(compiled):
     cu = torch.tensor([0, 2, t], dtype=torch.int32)
     ops.prefill_attention(qd, kc, vc, cu, torch.tensor([50, 4], dtype=torch.int32),
                           tables[:2], d ** -0.5)
+    prefill_attention_invariant(qd, kc, vc, cu, torch.tensor([50, 4], dtype=torch.int32),
+                                tables[:2], d ** -0.5)
     b, vocab = 4, 128256
     ops.sample(torch.randn(b, vocab), torch.tensor([0.0, 0.7, 1.0, 0.9]),
                torch.tensor([0, 50, 0, 5]), torch.tensor([1.0, 0.9, 0.8, 1.0]),
