@@ -75,3 +75,17 @@ def test_bf16_self_draft_is_always_accepted_with_batch_invariant_kernels(async_s
     assert drafted > 0
     assert sum(o.num_accepted_tokens for o in outs) == drafted
     assert [o.token_ids for o in outs] == plain
+
+
+class AsyncEqualsSyncSpeculativeBf16OnGpu(AsyncEqualsSync):
+    # bf16 under KV pressure: rows pause, evict and re-prefill in different batches in the two
+    # engines; only kernels whose per-row results ignore the batch keep them equal.
+    ENGINE = dict(device="cuda", cuda_graphs=True, dtype="bfloat16", batch_invariant=True,
+                  buckets=[1, 2, 4], speculative=SpeculativeConfig("self:1", 3))
+    REUSE = {}
+
+
+def test_bf16_lifecycle_state_machine_with_batch_invariant_kernels():
+    run_state_machine_as_test(AsyncEqualsSyncSpeculativeBf16OnGpu, settings=settings(
+        max_examples=10, stateful_step_count=30, deadline=None, database=None,
+        derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
