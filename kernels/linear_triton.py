@@ -1,5 +1,6 @@
 """Triton projections for the small row counts of decode (M <= 64), optionally with the RMSNorm
-(and the residual add before it) folded into the prologue. Reference: kernels/linear.py.
+(and the residual add before it) or the MLP's silu * mul folded into the prologue; and a
+batch-invariant variant for any row count. Reference: kernels/linear.py.
 
 Why: at decode the projections are weight streaming, and cuBLAS runs the small ones well below
 copy bandwidth at M = 1 (about 54% for llama-1b's qkv and o, see docs/benchmarks.md). Each
@@ -7,10 +8,11 @@ program owns BLOCK_N output columns, walks K in BLOCK_K steps and reads every we
 when N / BLOCK_N programs are too few to keep HBM busy, K is split over a second grid axis and a
 small kernel sums the fp32 partials in a fixed order (deterministic, no atomics).
 
-Numerics: bf16/fp16 only (fp32 goes to the reference: tensor-core dots would round it to tf32).
-The per-row result does not depend on M or on the other rows: a row's sum runs over the same K
-blocks in the same order whatever the batch, given the same config. The normed input has the
-rounding points of kernels/rmsnorm.py.
+Numerics: bf16/fp16 only (fp32 goes to torch: tensor-core dots would round it to tf32). Given
+one config, a row's result does not depend on M or on the other rows (its sum runs over the same
+K blocks in the same order); pick_config varies the config with M, invariant_config does not.
+The fused norm has the rounding points of kernels/rmsnorm.py, with its mean square summed in
+BLOCK_K pieces (so it may differ from the separate norm kernel in the last bit).
 """
 from __future__ import annotations
 
