@@ -129,11 +129,15 @@ class _PhaseTimer:
         sched, launch, recon = self._orig
         cur = {}
 
+        runner = engine.runner
+
         def timed(name, fn):
             def run(*a):
-                t = time.perf_counter()
+                t, waited = time.perf_counter(), runner.wait_seconds
                 out = fn(*a)
                 cur[name] = cur.get(name, 0.0) + time.perf_counter() - t
+                if name == "reconcile":  # of which blocked on the step's results
+                    cur["wait"] = cur.get("wait", 0.0) + runner.wait_seconds - waited
                 if name == "schedule":
                     cur["rows"] = len(out.rows)
                     cur["prefills"] = len(out.prefills)
@@ -156,7 +160,10 @@ class _PhaseTimer:
         rows = self.rows[1:]
         slow = sorted(range(len(host_step)), key=lambda i: -host_step[i])[:5]
         ms = lambda d: {k: round(v * 1e3, 3) if isinstance(v, float) else v for k, v in d.items()}
-        return dict(slowest_steps=[dict(step=i, host_ms=round(host_step[i] * 1e3, 3),
+        phases = ("schedule", "launch", "reconcile", "wait")
+        mean = {p: sum(r.get(p, 0.0) for r in rows) / max(len(rows), 1) for p in phases}
+        mean["step"] = sum(host_step) / max(len(host_step), 1)
+        return dict(mean_phase_ms=ms(mean), slowest_steps=[dict(step=i, host_ms=round(host_step[i] * 1e3, 3),
                                         **ms(rows[i] if i < len(rows) else {})) for i in slow])
 
     def restore(self) -> None:
