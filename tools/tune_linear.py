@@ -133,6 +133,19 @@ def main() -> None:
                     row["separate_norm_us"] = time_graph(
                         lambda i: lt.linear(nr.add_rms_norm(x, r, nw, 1e-5)[0], ws[i]),
                         copies) * 1e6
+                    if m <= lt.FUSE_MAX_ROWS:
+                        # The fused prologue re-reads the rows in every program, so its best
+                        # config may differ from the plain projection's (larger BLOCK_N).
+                        fused = []
+                        for cfg in candidates(m):
+                            try:
+                                fused.append((time_graph(lambda i: lt.norm_linear(
+                                    x, r, nw, 1e-5, ws[i], config=cfg), copies) * 1e6, cfg))
+                            except Exception as e:
+                                print(f"  skip fused {cfg}: {type(e).__name__}", file=sys.stderr)
+                        fused.sort(key=lambda p: p[0])
+                        row["best_fused_norm"] = [dict(us=us, **cfg.__dict__)
+                                                  for us, cfg in fused[:args.top]]
                 if name == "down":  # the activation that feeds it, fused or not
                     gu = torch.randn(m, 2 * k, device="cuda", dtype=dt)
                     row["fused_act_us"] = time_graph(
@@ -149,6 +162,9 @@ def main() -> None:
                 if "fused_norm_us" in row:
                     line += (f" | norm fused {row['fused_norm_us']:.1f} vs separate "
                              f"{row['separate_norm_us']:.1f}")
+                if row.get("best_fused_norm"):
+                    b = row["best_fused_norm"][0]
+                    line += f" (best fused {b['us']:.1f}: bn {b['block_n']} split {b['split_k']})"
                 if "fused_act_us" in row:
                     line += (f" | silu*mul fused {row['fused_act_us']:.1f} vs separate "
                              f"{row['separate_act_us']:.1f}")
