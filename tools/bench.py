@@ -55,8 +55,10 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     max_len = prompt_len + new + 16
     if llm is None:
         blocks = max_batch * -(-max_len // 16) + 16
+        kernels = (dict(batch_invariant=True) if projections == "invariant"
+                   else dict(projections=projections))
         llm = LLM(model, max_batch=max_batch, num_kv_blocks=blocks, max_model_len=max_len,
-                  projections=projections, **MODES[mode])
+                  **kernels, **MODES[mode])
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = _prompts(batch, prompt_len, mc.vocab_size)
@@ -318,7 +320,8 @@ def main() -> None:
     ap.add_argument("--hf-kinds", nargs="*", default=["eager", "static+compile"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--projections", nargs="+", default=["cublas"],
-                    choices=["cublas", "triton"], help="decode: who runs the projections")
+                    choices=["cublas", "triton", "invariant"],
+                    help="decode: who runs the projections (invariant: batch_invariant=True)")
     ap.add_argument("--spec-ks", nargs="+", type=int, default=[1, 2, 4],
                     help="spec: K of the overhead set-ups")
     ap.add_argument("--batch-invariant", action="store_true",
