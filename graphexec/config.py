@@ -110,4 +110,7 @@ class EngineConfig:
             if not cuda or self.use_triton is False:
                 raise ValueError("batch_invariant=True needs the Triton kernels on a CUDA "
                                  f"device, got device={self.device}, use_triton={self.use_triton}")
+            if self.dtype == torch.float32:  # its projections are bf16/fp16 kernels
+                raise ValueError("batch_invariant=True needs dtype bfloat16 or float16, got "
+                                 "dtype=float32")
 

@@ -13,44 +13,58 @@ class TokenLogprob:
     top: dict[int, float] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
 class RequestOutput:
-    """One request's state after a step. `token_ids` and `logprobs` are cumulative: they are
-    read, on access, from the request's own append-only lists up to the length they had at this
-    step, so a step costs O(new tokens) per request however long the output grows (copying the
-    whole history into every step's output made long streams quadratic)."""
+    """One request's state after a step. `token_ids` and `logprobs` are cumulative. The engine
+    passes the request's own append-only lists and their length at this step, and the properties
+    slice them on access: building a step's output costs O(new tokens) however long the output
+    grows (copying the whole history into every step's output made long streams quadratic).
+    Built from plain lists (no length given), an output simply holds them."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    new_token_ids: list[int] = field(default_factory=list)  # what this step added
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
-    text: str | None = None
-    # speculative decoding: draft tokens proposed for and accepted into this request
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
-    # the request's lists and their length at this step (appended to, never rewritten)
-    _all_tokens: list[int] = field(default_factory=list, repr=False)
-    _all_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
-    _length: int = field(default=-1, repr=False)
+    __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finish_reason", "text",
+                 "num_drafted_tokens", "num_accepted_tokens", "_tokens", "_n_tokens",
+                 "_logprobs", "_n_logprobs")
 
-    def __post_init__(self) -> None:
-        if self._length < 0:
-            self._length = len(self._all_tokens)
+    def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int],
+                 new_token_ids: list[int] | None = None, finish_reason: str | None = None,
+                 logprobs: list[TokenLogprob] | None = None, text: str | None = None,
+                 num_drafted_tokens: int = 0, num_accepted_tokens: int = 0, *,
+                 num_tokens: int | None = None, num_logprobs: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.new_token_ids = new_token_ids if new_token_ids is not None else []
+        self.finish_reason = finish_reason  # "stop" | "length" | "abort"; None while running
+        self.text = text
+        # speculative decoding: draft tokens proposed for and accepted into this request
+        self.num_drafted_tokens = num_drafted_tokens
+        self.num_accepted_tokens = num_accepted_tokens
+        self._tokens = token_ids
+        self._n_tokens = len(token_ids) if num_tokens is None else num_tokens
+        self._logprobs = logprobs
+        self._n_logprobs = (len(logprobs) if logprobs is not None and num_logprobs is None
+                            else num_logprobs)
 
     @property
     def token_ids(self) -> list[int]:
-        return self._all_tokens[:self._length]
+        return self._tokens[:self._n_tokens]
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
         """One per token, when the request asked for logprobs."""
-        if self._all_logprobs is None:
-            return None
-        return self._all_logprobs[:self._length]
+        return None if self._logprobs is None else self._logprobs[:self._n_logprobs]
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _key(self) -> tuple:
+        return (self.request_id, self.prompt_token_ids, self.token_ids, self.new_token_ids,
+                self.finish_reason, self.logprobs, self.text, self.num_drafted_tokens,
+                self.num_accepted_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RequestOutput) and self._key() == other._key()
+
+    __hash__ = None  # mutable, like the dataclass it replaced
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, "

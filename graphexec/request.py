@@ -87,15 +87,9 @@ class Request:
 
     def take_output(self) -> RequestOutput:
         out = RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt,
-            new_token_ids=self.new_tokens,
-            finish_reason=self.finish_reason,
-            num_drafted_tokens=self.num_drafted,
-            num_accepted_tokens=self.num_accepted,
-            _all_tokens=self.output,
-            _all_logprobs=self.logprobs,
-            _length=len(self.output),
-        )
+            self.request_id, self.prompt, self.output, self.new_tokens, self.finish_reason,
+            self.logprobs, num_drafted_tokens=self.num_drafted,
+            num_accepted_tokens=self.num_accepted, num_tokens=len(self.output),
+            num_logprobs=len(self.logprobs) if self.logprobs is not None else None)
         self.new_tokens = []
         return out

@@ -210,7 +210,7 @@ class ModelRunner:
     def fetch(self, launched: Launched, top_n: tuple[list, list] | None = None) -> StepTokens:
         """Waits for the step's results (normally long arrived) and returns them as Python.
         top_n: per prefill row and per decode row, how many top logprobs the request wants
-        (None: no logprobs for that row); only those are converted."""
+        (None: no logprobs for that row); only those are converted. Not given: all of them."""
         slot = self._d2h[launched.slot]
         if slot.event is not None and not slot.event.query():
             t0 = time.perf_counter()
@@ -232,6 +232,9 @@ class ModelRunner:
 
         counts = launched.prefill_counts
         n_dec = launched.num_decode
-        pre_n, dec_n = top_n or ([None] * len(counts), [None] * n_dec)
+        if top_n is None:  # every row, all the top logprobs the step computed
+            full = slot.top_ids.shape[-1] if launched.with_logprobs else None
+            top_n = ([full] * len(counts), [full] * n_dec)
+        pre_n, dec_n = top_n
         return StepTokens(prefill=rows(r, len(counts), counts, pre_n),
                           decode=rows(0, n_dec, slot.count[:n_dec].tolist(), dec_n))

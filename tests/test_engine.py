@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from graphexec import Engine, LLM, SamplingParams
+from graphexec import Engine, LLM, RequestOutput, SamplingParams
 
 
 def _prompts(n, seed=0, lo=1, hi=40, vocab=512):
@@ -223,3 +223,8 @@ def test_streamed_outputs_are_snapshots():
         assert len(out.token_ids) == len(out.logprobs) == total
         assert out.token_ids[-len(out.new_token_ids):] == out.new_token_ids or not out.new_token_ids
     assert total == 9 and seen[-1].finished and not seen[0].finished
+    # equality is by content as of the step, like outputs built from plain lists
+    first = seen[0]
+    assert first != seen[-1]
+    assert first == RequestOutput(first.request_id, first.prompt_token_ids, first.token_ids,
+                                  first.new_token_ids, None, first.logprobs)

@@ -257,7 +257,7 @@ def plot(rows: list[dict], path: str) -> None:
     models = sorted({r["model"] for r in ours})
     fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
     for j, model in enumerate(models):
-        for mode in MODES:
+        for mode in sorted({r["mode"] for r in ours}):  # with the kernel set in the label
             for shape in sorted({(r["prompt"], r["new_tokens"]) for r in ours}):
                 pts = sorted((r["batch"], r["tokens_per_s"], r["roofline_frac"]) for r in ours
                              if r["model"] == model and r["mode"] == mode
