@@ -25,6 +25,7 @@ class Manifest:
     block_size: int
     buckets: list[BucketEntry] = field(default_factory=list)
     triton_cache_dir: str | None = None
+    kernels: str = "cublas"  # the kernel set captured: see kernel_set()
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -58,6 +59,11 @@ class Manifest:
             raise ValueError(f"graph_memory_mib={graph_memory_mib}: not even bucket "
                              f"{ordered[0].bucket} fits ({ordered[0].graph_mib:.1f} MiB)")
         return kept
+
+
+def kernel_set(projections: str, batch_invariant: bool) -> str:
+    """The engine's kernel set in one word: graphs (and their memory) differ between sets."""
+    return "invariant" if batch_invariant else projections
 
 
 def current_versions() -> dict[str, str]:

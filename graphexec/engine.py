@@ -281,12 +281,17 @@ class Engine:
 
 def _apply_manifest(cfg: EngineConfig) -> None:
     """Takes the buckets (within the graph memory budget) that tools/capture.py checked."""
-    from .capture.manifest import Manifest
+    from .capture.manifest import Manifest, kernel_set
 
     m = Manifest.load(cfg.manifest)
     if m.model != cfg.model:
         raise ValueError(f"manifest={cfg.manifest!r} was built for model {m.model!r}, "
                          f"not {cfg.model!r}")
+    kernels = kernel_set(cfg.projections, cfg.batch_invariant)
+    if m.kernels != kernels:
+        raise ValueError(f"manifest={cfg.manifest!r} was captured with the {m.kernels!r} "
+                         f"kernels, this engine uses {kernels!r}: rebuild it with "
+                         "tools/capture.py --projections / --batch-invariant")
     if m.triton_cache_dir and "TRITON_CACHE_DIR" not in os.environ:
         os.environ["TRITON_CACHE_DIR"] = m.triton_cache_dir
     cfg.buckets = m.buckets_within(cfg.graph_memory_mib)

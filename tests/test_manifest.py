@@ -27,3 +27,13 @@ def test_bad_manifest(tmp_path):
     p.write_text('{"model": "x"}')
     with pytest.raises(ValueError, match="not a graphexec manifest"):
         Manifest.load(str(p))
+
+
+def test_manifest_of_another_kernel_set_is_refused(tmp_path):
+    from graphexec import Engine
+
+    path = str(tmp_path / "m.json")
+    _manifest().save(path)  # captured with the default (cuBLAS projections) kernels
+    with pytest.raises(ValueError, match="captured with the 'cublas' kernels"):
+        Engine("tiny", device="cpu", manifest=path, projections="triton")
+    assert Manifest.load(path).kernels == "cublas"

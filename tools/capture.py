@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import Engine, SamplingParams  # noqa: E402
-from graphexec.capture.manifest import BucketEntry, Manifest, current_versions  # noqa: E402
+from graphexec.capture.manifest import (BucketEntry, Manifest, current_versions,  # noqa: E402
+                                        kernel_set)
 
 
 def _run(engine: Engine, prompts, logprobs: int | None) -> dict[str, list]:
@@ -94,7 +95,8 @@ def main() -> int:
              versions=current_versions(), max_batch=max_batch,
              max_model_len=args.max_model_len, block_size=engine.config.block_size,
              buckets=entries,
-             triton_cache_dir=os.environ.get("TRITON_CACHE_DIR")).save(args.out)
+             triton_cache_dir=os.environ.get("TRITON_CACHE_DIR"),
+             kernels=kernel_set(args.projections, args.batch_invariant)).save(args.out)
     print(f"manifest written to {args.out}")
     if failed:
         print(f"parity FAILED for buckets {failed}", file=sys.stderr)
