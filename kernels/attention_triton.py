@@ -228,13 +228,35 @@ def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                    min(max_tiles, INVARIANT_SPLITS))
 
 
+INVARIANT_PREFILL_CHUNK = 512  # query tokens per launch: bounds the split workspaces
+
+
 def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                                 block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """prefill_attention with one query-tile size whatever the batch's token count: a prompt's
-    attention (and so its KV downstream) is then the same in any prefill batch."""
-    return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                             block_m=64)
+    """Prefill attention for the batch-invariant kernel set: every query token runs as its own
+    row of decode_attention_invariant (its sequence's block table, attending up to its own
+    position), the way the speculative verify runs its K+1 positions. A position's attention is
+    then computed exactly as when it is decoded, so the KV that a recompute after an eviction
+    rebuilds for the output tokens matches the original bit for bit, and a prompt's result does
+    not depend on the prefill batch. The price: each token reads its whole prefix (O(T^2) KV
+    reads for a T-token prompt) instead of sharing tiles."""
+    t, hq, d = q.shape
+    out = _new((t, hq, d), q.dtype, q.device)
+    n_seq = seq_lens.shape[0]
+    if t == 0 or n_seq == 0:
+        return out
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(n_seq, device=q.device), q_lens, output_size=t)
+    offset = torch.arange(t, device=q.device) - cu[seq_of]  # index within its sequence's queries
+    lens = (seq_lens.long()[seq_of] - q_lens[seq_of] + offset + 1).to(torch.int32)
+    tables = block_tables[seq_of]
+    for s in range(0, t, INVARIANT_PREFILL_CHUNK):
+        e = min(t, s + INVARIANT_PREFILL_CHUNK)
+        out[s:e] = decode_attention_invariant(q[s:e], k_cache, v_cache, tables[s:e], lens[s:e],
+                                              scale)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -376,11 +398,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float,
-                      block_m: int | None = None) -> torch.Tensor:
+                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal varlen attention. q: [T, Hq, D] packed; sequence i owns rows
-    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last tokens (query j at seq_lens[i] - q_len + j).
-    block_m: queries per tile (default: from the token count, 16..64)."""
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last tokens (query j at seq_lens[i] - q_len + j)."""
     t, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
     n_seq = seq_lens.shape[0]
@@ -396,8 +416,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q = q.contiguous()
     g = hq // hk
     block_d = max(16, triton.next_power_of_2(d))
-    if block_m is None:
-        block_m = 64 if t >= 64 else max(16, triton.next_power_of_2(t))
+    block_m = 64 if t >= 64 else max(16, triton.next_power_of_2(t))
     ieee = _ieee_dot(q.dtype, k_cache.dtype)
     block_n = 32 if (ieee or block_d > 128) else 64
     n_tiles = triton.cdiv(t, block_m) + n_seq  # >= sum_i cdiv(q_len_i, block_m)

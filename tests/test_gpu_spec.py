@@ -78,14 +78,11 @@ def test_bf16_self_draft_is_always_accepted_with_batch_invariant_kernels(async_s
 
 
 class AsyncEqualsSyncSpeculativeBf16OnGpu(AsyncEqualsSync):
-    # bf16: arrivals, aborts and finishes change the two engines' batches (and buckets) at
-    # different steps; only kernels whose per-row results ignore the batch keep them equal.
-    # An ample cache: an eviction's recompute rebuilds KV with the prefill kernel where the
-    # uninterrupted run used the decode kernel, which rounds differently (see
-    # docs/architecture.md), so evictions are outside what this mode makes exact.
+    # bf16 under KV pressure: the two engines' batches (and buckets) change at different steps
+    # and rows pause, evict and re-prefill at different times; only kernels whose per-row
+    # results ignore the batch, and whose prefill attends exactly like decode, keep them equal.
     ENGINE = dict(device="cuda", cuda_graphs=True, dtype="bfloat16", batch_invariant=True,
                   buckets=[1, 2, 4], speculative=SpeculativeConfig("self:1", 3))
-    KV_BLOCKS = 200
     REUSE = {}
 
 

@@ -162,6 +162,35 @@ def test_prefill_attention(K, dtype, seqs, hq, hk, d, bs):
 
 @kernel_test
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqs,hq,hk,d,bs", PREFILL_CASES[:4])
+def test_prefill_attention_invariant(K, seqs, hq, hk, d, bs):
+    """The batch-invariant prefill: right against the reference (cached prefixes, empty query
+    runs), and each token bitwise what decode attention gives it at its position (so KV rebuilt
+    after an eviction equals what decoding wrote), alone or in any batch."""
+    dtype = torch.bfloat16
+    q_lens = [s[0] for s in seqs]
+    lens = [s[0] + s[1] for s in seqs]
+    kc, vc, kbad, vbad, tables = _paged_cache(lens, hk, d, bs, dtype, 36)
+    t = sum(q_lens)
+    q = _randn((t, hq, d), dtype, 37)
+    cu_list = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    scale = d ** -0.5
+    out = K.at.prefill_attention_invariant(q, kbad, vbad, cu, sl, tables, scale)
+    _check(out, attn_ref.paged_prefill_attention_ref(q, kc, vc, cu, sl, tables, scale), dtype,
+           "attention")
+    for i, (n, total) in enumerate(zip(q_lens, lens)):
+        for j in sorted({0, n // 2, n - 1}) if n else []:
+            row = cu_list[i] + j
+            pos = torch.tensor([total - n + j + 1], dtype=torch.int32, device=DEV)
+            one = K.at.decode_attention_invariant(q[row:row + 1], kbad, vbad, tables[i:i + 1],
+                                                  pos, scale)
+            assert torch.equal(one, out[row:row + 1]), (i, j)
+
+
+@kernel_test
+@pytest.mark.gpu
 def test_prefill_attention_invariant_sequence_does_not_depend_on_batch(K):
     """The batch-invariant variant: a prompt alone gives bitwise what it gives packed with
     others (the default variant sizes its query tiles from the batch's token count)."""
