@@ -170,3 +170,65 @@ def test_linear_config_is_checked():
         LinearConfig(1, 3, 128)
     with pytest.raises(ValueError, match="split_k"):
         LinearConfig(1, 4, 128, 0)
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_model_prefill_with_batch_invariant_kernels_ignores_packing(K, hf_dirs_moderate):
+    """The whole bf16 model on the batch-invariant kernels: a prompt's logits are bitwise the
+    same prefilled alone or packed with others (sync and async mode pack different prefill
+    batches; speculative verify and draft see different row counts)."""
+    from graphexec.kernels.triton_ops import BATCH_INVARIANT_OPS
+    from test_hf_parity import PROMPTS, _graphexec_prefill_logits
+
+    path, _ = hf_dirs_moderate["qwen3"]  # q/k norms too
+    dev = str(DEV)
+    packed = _graphexec_prefill_logits(path, dev, torch.bfloat16, PROMPTS,
+                                       ops=BATCH_INVARIANT_OPS)
+    for p, together in zip(PROMPTS, packed):
+        alone = _graphexec_prefill_logits(path, dev, torch.bfloat16, [p],
+                                          ops=BATCH_INVARIANT_OPS)[0]
+        assert torch.equal(alone, together)
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_model_decode_equals_prefill_with_batch_invariant_kernels(K, hf_dirs_moderate):
+    """Decoding the last prompt token after prefilling the rest gives bitwise the logits of
+    prefilling the whole prompt: what makes KV rebuilt by an eviction's recompute equal to what
+    decoding wrote (batch-invariant kernels only; the interpreter cannot tell the kernel sets
+    apart, the GPU can)."""
+    from graphexec.kernels.triton_ops import BATCH_INVARIANT_OPS
+    from graphexec.model import LlamaModel, ModelConfig, load_weights
+    from graphexec.model.llama import AttentionInputs, KVCache
+
+    path, _ = hf_dirs_moderate["llama"]
+    mc = ModelConfig.from_dir(path)
+    model = LlamaModel(mc, load_weights(path, mc, DEV, torch.bfloat16), BATCH_INVARIANT_OPS,
+                       max_positions=64)
+    bs, nblocks = 4, 16
+    prompt = [5, 17, 99, 3, 250, 41, 7, 11, 12, 300]
+    table = torch.tensor([[3, 9, 1, 14, 0, 0, 0, 0]], dtype=torch.int32, device=DEV)
+    slots = [int(table[0, i // bs]) * bs + i % bs for i in range(len(prompt))]
+    t = lambda x: torch.tensor(x, device=DEV)
+
+    def fresh_kv():
+        shape = (nblocks, bs, mc.num_kv_heads, mc.head_dim)
+        return KVCache([torch.zeros(shape, dtype=torch.bfloat16, device=DEV)
+                        for _ in range(mc.num_layers)],
+                       [torch.zeros(shape, dtype=torch.bfloat16, device=DEV)
+                        for _ in range(mc.num_layers)])
+
+    def prefill(kv, n):
+        attn = AttentionInputs(slot_mapping=t(slots[:n]), block_tables=table,
+                               seq_lens=t([n]).int(), cu_seqlens_q=t([0, n]).int())
+        return model.compute_logits(model.forward(t(prompt[:n]), t(list(range(n))), attn, kv))
+
+    whole = prefill(fresh_kv(), len(prompt))[-1]
+    kv = fresh_kv()
+    prefill(kv, len(prompt) - 1)
+    n = len(prompt)
+    attn = AttentionInputs(slot_mapping=t(slots[n - 1:]), block_tables=table,
+                           seq_lens=t([n]).int())
+    decoded = model.compute_logits(model.forward(t(prompt[n - 1:]), t([n - 1]), attn, kv))[0]
+    assert torch.equal(decoded, whole)
