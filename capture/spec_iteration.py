@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rejection import (SALT_DRAFT, draw_from_probs, rejection_sample_ref,
-                                 sampling_probs_ref)
+from ..kernels.rejection import (SALT_DRAFT, draw_from_probs, greedy_accept,
+                                 rejection_sample_ref, sampling_probs_ref)
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .state import DecodeState, Variant
 
@@ -61,10 +61,13 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
             break
         logits = _masked(draft.model, state, draft.model.compute_logits(hidden), bucket,
                          steps + j)
-        q = sampling_probs_ref(logits, temp, top_k, top_p, variant.filters)
-        tok = draw_from_probs(q, seeds ^ SALT_DRAFT, steps + j)
+        if variant.sampled:
+            q = sampling_probs_ref(logits, temp, top_k, top_p, variant.filters)
+            tok = draw_from_probs(q, seeds ^ SALT_DRAFT, steps + j)
+            qs.append(q)
+        else:  # every row greedy: q would be one-hot on the argmax
+            tok = logits.argmax(-1)
         drafts.append(tok)
-        qs.append(q)
     draft_tokens = torch.stack(drafts, dim=1)  # [B, K]
 
     # 2. verify: the target over [input, d_1..d_K] at positions pos0..pos0+K
@@ -81,11 +84,14 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]),
                                          step_all < rep(state.min_tokens[rows]),
                                          inplace=not variant.logprobs)
-    p = sampling_probs_ref(logits, rep(temp), rep(top_k), rep(top_p), variant.filters)
-    p = p.view(bucket, k + 1, -1)
 
     # 3. accept a prefix, add one corrected or bonus token
-    tokens, count = rejection_sample_ref(p, torch.stack(qs, dim=1), draft_tokens, seeds, steps)
+    if variant.sampled:
+        p = sampling_probs_ref(logits, rep(temp), rep(top_k), rep(top_p), variant.filters)
+        tokens, count = rejection_sample_ref(p.view(bucket, k + 1, -1), torch.stack(qs, dim=1),
+                                             draft_tokens, seeds, steps)
+    else:
+        tokens, count = greedy_accept(logits.view(bucket, k + 1, -1), draft_tokens)
     state.out_tokens[rows] = tokens
     state.out_count[rows] = count
     if variant.logprobs:

@@ -22,6 +22,11 @@ class Variant(NamedTuple):
 
     logprobs: bool = False  # the chosen token's logprob and the top 20
     filters: bool = True  # top-k / top-p (False: no row uses them)
+    # Some row samples (temperature > 0). False: every row is greedy, and the speculative
+    # iteration compares argmaxes instead of building and sampling distributions over the
+    # vocabulary (the same tokens and counts, a few dozen fewer kernels per iteration).
+    # Plain decoding keeps it True: its sampler has no such cost.
+    sampled: bool = True
 
 
 @dataclass

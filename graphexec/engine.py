@@ -86,6 +86,8 @@ class Engine:
 
             with_lp = (False, True) if cfg.capture_logprobs else (False,)
             variants = [Variant(lp, f) for lp in with_lp for f in (False, True)]
+            if k:  # the all-greedy speculative iteration
+                variants += [Variant(lp, False, sampled=False) for lp in with_lp]
             self.runner.graphs = GraphSet.capture(self.runner, cfg.buckets, variants)
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[_InFlight] = deque()

@@ -102,10 +102,14 @@ class Scheduler:
         self.stats.resumed += resumed
         return Plan(step_id=step_id, delta=delta, prefills=prefills, prefill_requests=admitted,
                     rows=list(self.running), bucket=bucket,
-                    variant=Variant(
-                        logprobs=any(r.params.logprobs is not None for r in self.running),
-                        filters=any(r.top_k > 0 or r.params.top_p < 1
-                                    for r in self.running)))
+                    variant=self._variant())
+
+    def _variant(self) -> Variant:
+        logprobs = any(r.params.logprobs is not None for r in self.running)
+        if self.spec_tokens and all(r.params.temperature == 0 for r in self.running):
+            return Variant(logprobs, filters=False, sampled=False)  # filters: greedy ignores them
+        return Variant(logprobs, filters=any(r.top_k > 0 or r.params.top_p < 1
+                                             for r in self.running))
 
     def _missing_blocks(self, req: Request) -> int:
         """Blocks the row lacks for every position its next step may write: from its next input

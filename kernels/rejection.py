@@ -76,3 +76,15 @@ def rejection_sample_ref(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     tokens = torch.cat([draft, torch.zeros_like(draft[:, :1])], dim=1)
     tokens = tokens.scatter(1, idx[:, None], extra[:, None])
     return tokens, n_acc + 1
+
+
+def greedy_accept(logits: torch.Tensor, draft: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample_ref for a batch of greedy rows, without the distributions: logits
+    [B, K+1, V] of the target at the K+1 verified positions, draft [B, K]. A draft token is
+    accepted while it equals the target's argmax, and the token after the accepted prefix is the
+    target's argmax there, so the emitted tokens are the target's argmaxes themselves. Returns
+    (tokens [B, K+1], count [B]) like rejection_sample_ref."""
+    target = logits.argmax(-1)
+    accept = (draft == target[:, :-1]).long()
+    return target, torch.cumprod(accept, dim=1).sum(1) + 1

@@ -9,7 +9,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from conftest import make_hf_model
 from graphexec import LLM, Engine, SamplingParams, SpeculativeConfig
-from graphexec.kernels.rejection import SALT_DRAFT, draw_from_probs, rejection_sample_ref
+from graphexec.kernels.rejection import (SALT_DRAFT, draw_from_probs, greedy_accept,
+                                         rejection_sample_ref)
 from test_lifecycle_state_machine import AsyncEqualsSync
 
 PROMPTS = [[random.Random(i).randrange(2, 512) for _ in range(3 + 7 * i)] for i in range(6)]
@@ -158,3 +159,40 @@ def test_async_speculation_launches_no_step_past_the_end(draft):
         if async_scheduling:
             assert llm.engine.stats.settles > 0
     assert steps[0] == steps[1]
+
+
+def test_greedy_accept_is_rejection_sampling_of_one_hot_distributions():
+    """The all-greedy fast path against the general rule on one-hot p and q: same tokens
+    (where emitted) and counts, for drafts that match the target's argmax for a while."""
+    g = torch.Generator().manual_seed(7)
+    b, k, v = 64, 4, 50
+    logits = torch.randn(b, k + 1, v, generator=g)
+    target = logits.argmax(-1)
+    draft = target[:, :k].clone()
+    wrong_from = torch.randint(0, k + 1, (b,), generator=g)  # k + 1: all right
+    for r in range(b):
+        draft[r, wrong_from[r]:] = (draft[r, wrong_from[r]:] + 1) % v
+    onehot = lambda idx: torch.nn.functional.one_hot(idx, v).float()
+    tokens, count = greedy_accept(logits, draft)
+    ref_tokens, ref_count = rejection_sample_ref(onehot(target), onehot(draft), draft,
+                                                 torch.arange(b), torch.zeros(b, dtype=torch.long))
+    assert torch.equal(count, ref_count)
+    assert torch.equal(count, wrong_from.clamp(max=k) + 1)
+    for r in range(b):
+        assert torch.equal(tokens[r, :count[r]], ref_tokens[r, :count[r]])
+
+
+def test_all_greedy_fast_path_matches_the_general_path():
+    """Greedy rows give the same tokens and draft/accept counts whether the batch is all greedy
+    (argmax comparison) or holds a sampled row too (distributions + rejection sampling)."""
+    spec = SpeculativeConfig("self:1", 3)
+    greedy = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    alone = LLM("tiny", max_batch=8, speculative=spec).generate(PROMPTS, greedy)
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    mixed = LLM("tiny", max_batch=8, speculative=spec).generate(PROMPTS + [PROMPTS[0]],
+                                                                 greedy + [sampled])
+    for a, m in zip(alone, mixed):
+        assert a.token_ids == m.token_ids
+        assert (a.num_drafted_tokens, a.num_accepted_tokens) == \
+            (m.num_drafted_tokens, m.num_accepted_tokens)
+    assert 0 < sum(o.num_accepted_tokens for o in alone) < sum(o.num_drafted_tokens for o in alone)
