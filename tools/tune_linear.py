@@ -100,6 +100,12 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
     dt = torch.bfloat16
     results = []
+    os.makedirs(args.out, exist_ok=True)
+
+    def save() -> None:  # after every row: a run cut short by its time limit keeps what it has
+        with open(os.path.join(args.out, "tune_linear.json"), "w") as f:
+            json.dump(dict(copy_bandwidth=bw, device=torch.cuda.get_device_name(),
+                           results=results), f, indent=1)
     for model in args.models:
         for name, (n, k) in projections(model).items():
             nbytes = n * k * 2
@@ -153,6 +159,7 @@ def main() -> None:
                     row["separate_act_us"] = time_graph(
                         lambda i: lt.linear(lt.silu_mul(gu), ws[i]), copies) * 1e6
                 results.append(row)
+                save()
                 best = timed[0][0] if timed else float("nan")
                 line = (f"{model:9s} {name:8s} M={m:<3d} floor {floor * 1e6:7.1f} us | cublas "
                         f"{row['cublas_us']:7.1f} ({floor * 1e6 / row['cublas_us']:.2f}) | best "
@@ -173,10 +180,7 @@ def main() -> None:
                     print(f"{'':30s} {us:7.1f} {cfg}")
             del ws
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune_linear.json"), "w") as f:
-        json.dump(dict(copy_bandwidth=bw, device=torch.cuda.get_device_name(), results=results),
-                  f, indent=1)
+    save()
 
 
 if __name__ == "__main__":
