@@ -41,7 +41,6 @@ class GraphSet:
         """Captures every bucket, largest first so the smaller ones reuse its pool memory.
         Must run while no request is in the batch: with num_rows == 0 every row is inert, so
         warm-up and capture write only the scratch block and the output buffers."""
-        state = runner.state
         if runner.num_rows != 0:
             raise RuntimeError("graphs must be captured on an empty batch")
         out = cls(pool=torch.cuda.graph_pool_handle())

@@ -7,7 +7,7 @@ its last copy has fired. The same holds for D2H: the host reads a slot only afte
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -9,7 +9,7 @@ plus the prefills to run.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .capture.state import NewRow, StepDelta, Variant
 from .block_pool import BlockPool

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
