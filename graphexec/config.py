@@ -113,4 +113,3 @@ class EngineConfig:
             if self.dtype == torch.float32:  # its projections are bf16/fp16 kernels
                 raise ValueError("batch_invariant=True needs dtype bfloat16 or float16, got "
                                  "dtype=float32")
-

@@ -177,10 +177,15 @@ def pick_config(m: int, n: int, k: int) -> LinearConfig:
         block_n, block_k = (16, 256) if block_m == 16 else (32, 128)
         want_programs = 264
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    return LinearConfig(block_m, block_n, block_k, _split_k(programs, want_programs, k, block_k))
+
+
+def _split_k(programs: int, want_programs: int, k: int, block_k: int) -> int:
+    """Doubles the K split until there are enough programs, keeping >= 2 K blocks per split."""
     split = 1
     while programs * split < want_programs and k // (split * 2) >= 2 * block_k:
         split *= 2
-    return LinearConfig(block_m, block_n, block_k, split)
+    return split
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
@@ -237,7 +242,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     """linear(silu(gate) * up): the MLP's activation computed in the down projection's
     prologue, saving a launch and the intermediate's round trip through memory."""
     if not supported(gate_up, weight, 2, bias):
-        return F.linear(silu_mul(gate_up), weight, bias)
+        return silu_mul_then_linear(gate_up, weight, bias)
     return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True)[0]
 
 
@@ -251,11 +256,17 @@ def norm_then_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                      eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two kernels: the Triton (add +) RMSNorm, then cuBLAS."""
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    normed, summed = _norm(x, residual, norm_weight, eps)
     return F.linear(normed, weight, bias), summed
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) with the Triton norm kernel; x itself as the sum
+    when there is no residual."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps), x
+    return add_rms_norm(x, residual, norm_weight, eps)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -285,10 +296,7 @@ def invariant_config(n: int, k: int) -> LinearConfig:
     same token at the same position, and a prompt's KV does not depend on the prefill batch it
     was packed into."""
     block_n, block_k = 32, 128
-    split = 1
-    while triton.cdiv(n, block_n) * split < 264 and k // (split * 2) >= 2 * block_k:
-        split *= 2
-    return LinearConfig(64, block_n, block_k, split)
+    return LinearConfig(64, block_n, block_k, _split_k(triton.cdiv(n, block_n), 264, k, block_k))
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor,
@@ -301,7 +309,7 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor,
 def silu_mul_linear_invariant(gate_up: torch.Tensor, weight: torch.Tensor,
                               bias: torch.Tensor | None = None) -> torch.Tensor:
     if not supported(gate_up, weight, 2, bias, max_rows=INVARIANT_MAX_ROWS):
-        return F.linear(silu_mul(gate_up), weight, bias)
+        return silu_mul_then_linear(gate_up, weight, bias)
     return _launch(gate_up, None, None, 0.0, weight, bias, invariant_config(*weight.shape),
                    gated=True)[0]
 
@@ -311,8 +319,5 @@ def norm_linear_invariant(x: torch.Tensor, residual: torch.Tensor | None,
                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm stays its own kernel: fused, its mean square would be summed in the
     projection's K blocks, and re-read by every program of a large verify batch."""
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    normed, summed = _norm(x, residual, norm_weight, eps)
     return linear_invariant(normed, weight, bias), summed
