@@ -52,25 +52,27 @@ REFERENCE_OPS = Ops(
 )
 
 
-PROJECTIONS = ("cublas", "triton")
+PROJECTIONS = ("cublas", "triton", "auto")
 
 
 def select_ops(device: torch.device, use_triton: bool | None = None,
                projections: str = "cublas", batch_invariant: bool = False) -> Ops:
     """use_triton=None picks Triton on CUDA when it imports; False forces the references.
-    projections: who runs the decode projections on CUDA, cuBLAS or the Triton small-M kernels
-    (kernels/linear_triton.py). batch_invariant: kernels whose per-row results do not depend
+    projections: who runs the decode projections on CUDA, cuBLAS, the Triton small-M kernels
+    (kernels/linear_triton.py), or "auto": Triton for one-row batches, cuBLAS above. batch_invariant: kernels whose per-row results do not depend
     on the batch (Triton only; it overrides projections)."""
     if projections not in PROJECTIONS:
         raise ValueError(f"projections={projections!r} is not one of {PROJECTIONS}")
     if device.type != "cuda" or use_triton is False:
         return REFERENCE_OPS
     try:
-        from .triton_ops import BATCH_INVARIANT_OPS, TRITON_OPS, TRITON_PROJECTION_OPS
+        from .triton_ops import (BATCH_INVARIANT_OPS, TRITON_OPS, TRITON_PROJECTION_OPS,
+                                 TRITON_SINGLE_ROW_OPS)
     except ImportError:
         if use_triton or batch_invariant:
             raise
         return REFERENCE_OPS
     if batch_invariant:
         return BATCH_INVARIANT_OPS
-    return TRITON_PROJECTION_OPS if projections == "triton" else TRITON_OPS
+    return {"cublas": TRITON_OPS, "triton": TRITON_PROJECTION_OPS,
+            "auto": TRITON_SINGLE_ROW_OPS}[projections]

@@ -30,7 +30,10 @@ from .norm_rope_triton import add_rms_norm, rms_norm
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
-FUSE_MAX_ROWS = 16  # norm_linear fuses the norm up to this many rows (a guess: not yet tuned)
+# Prologue fusion (norm, silu * mul) pays only for one row: at 16 rows every program re-reads
+# the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
+# launches (tools/tune_linear.py, H100), while at one row they saved 7-10%.
+FUSE_MAX_ROWS = 1
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -160,24 +163,34 @@ def _split_sum_kernel(ws_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.con
 
 
 def pick_config(m: int, n: int, k: int) -> LinearConfig:
-    """Per-shape launch parameters. These are reasoned starting points, not yet measured:
-    tools/tune_linear.py times them against every candidate on the GPU.
+    """Per-shape launch parameters, from tools/tune_linear.py on an H100 (llama-1b shapes,
+    docs/benchmarks.md, 2026-11-23): the fastest candidate per row count, rounded to one rule.
 
-    Streaming needs enough bytes in flight per SM (about 32 KB on an H100): at M = 1 many small
-    programs, each loading a few KB of weights per iteration; with tensor-core dots a W tile of
-    8 KB pipelined over 3 stages. K is split only when N alone gives too few programs, because
-    the partial-sum kernel costs one more launch."""
+    M = 1: many small CUDA-core programs (4 columns each, 1024+ programs for every Llama shape),
+    512-wide K steps, 1024 for the long K of the down projection; no split. M > 1: tensor-core
+    tiles with 4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
+    split only when it is longer than N (the down projection), where few output tiles each walk
+    a long reduction; elsewhere the partial-sum kernel cost more than the programs it added."""
     if m == 1:
-        block_m = 1
-        block_n = 16 if n >= 16384 else (4 if n >= 4096 else 2)
-        block_k = max(256, min(1024, 2048 // block_n))
-        want_programs = 1024
-    else:
-        block_m = 16 if m <= 16 else 64
-        block_n, block_k = (16, 256) if block_m == 16 else (32, 128)
-        want_programs = 264
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    return LinearConfig(block_m, block_n, block_k, _split_k(programs, want_programs, k, block_k))
+        return LinearConfig(1, 4, 1024 if k >= 8192 else 512)
+    block_m = 16 if m <= 16 else 64
+    wide = n >= 16384
+    block_n = 64 if wide else (32 if n >= 3072 or block_m == 64 else 16)
+    block_k = 256 if block_m == 16 and not wide else 128
+    stages = 3 if wide and block_m == 64 else 4
+    split = 1
+    if k > n:
+        programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+        split = _split_k(programs, 256, k, block_k)
+    return LinearConfig(block_m, block_n, block_k, split, num_stages=stages)
+
+
+def pick_norm_config(m: int, n: int, k: int) -> LinearConfig:
+    """With the norm in the prologue each program first reads its rows once for the mean square,
+    so fewer, wider programs won (tune_linear: 8 x 1024 at M = 1)."""
+    if m == 1:
+        return LinearConfig(1, 8, 1024)
+    return pick_config(m, n, k)
 
 
 def _split_k(programs: int, want_programs: int, k: int, block_k: int) -> int:
@@ -205,7 +218,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             gated: bool = False):
     m = x.shape[0]
     n, k = weight.shape
-    cfg = config or pick_config(m, n, k)
+    cfg = config or (pick_norm_config if norm_weight is not None else pick_config)(m, n, k)
     out = _new((m, n), x.dtype, x.device)
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -230,19 +243,23 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: LinearConfig | None = None) -> torch.Tensor:
-    if not supported(x, weight, 1, bias):
+           config: LinearConfig | None = None, max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """max_rows: above it cuBLAS (the "auto" projections pass 1)."""
+    if not supported(x, weight, 1, bias, max_rows=max_rows):
         return F.linear(x, weight, bias)
     return _launch(x, None, None, 0.0, weight, bias, config)[0]
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None,
-                    config: LinearConfig | None = None) -> torch.Tensor:
-    """linear(silu(gate) * up): the MLP's activation computed in the down projection's
-    prologue, saving a launch and the intermediate's round trip through memory."""
-    if not supported(gate_up, weight, 2, bias):
+                    bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                    max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """linear(silu(gate) * up): up to FUSE_MAX_ROWS rows (or any given config) the activation
+    runs in the down projection's prologue, saving a launch and the intermediate's round trip
+    through memory; above, the activation kernel then linear()."""
+    if not supported(gate_up, weight, 2, bias, max_rows=max_rows):
         return silu_mul_then_linear(gate_up, weight, bias)
+    if config is None and gate_up.shape[0] > FUSE_MAX_ROWS:
+        return linear(silu_mul(gate_up), weight, bias, max_rows=max_rows)
     return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True)[0]
 
 
@@ -271,12 +288,17 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Ten
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel for up to FUSE_MAX_ROWS rows. Beyond that every program re-reading the rows
-    for their mean square costs more than the separate norm launch it saves."""
-    if (not supported(x, weight, 1, bias, residual, norm_weight) or x.shape[0] > FUSE_MAX_ROWS
+                config: LinearConfig | None = None, max_rows: int = MAX_ROWS
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel up to FUSE_MAX_ROWS rows (or any given config). Beyond that every program
+    re-reading the rows for their mean square costs more than the separate norm launch it
+    saves: the norm kernel, then linear()."""
+    if (not supported(x, weight, 1, bias, residual, norm_weight, max_rows=max_rows)
             or (residual is not None and residual.shape != x.shape)):
         return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
+    if config is None and x.shape[0] > FUSE_MAX_ROWS:
+        normed, summed = _norm(x, residual, norm_weight, eps)
+        return linear(normed, weight, bias, max_rows=max_rows), summed
     return _launch(x, residual, norm_weight, eps, weight, bias, config)
 
 

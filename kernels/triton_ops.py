@@ -34,6 +34,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _interpreter_compat()
 
 from dataclasses import replace  # noqa: E402
+from functools import partial  # noqa: E402
 
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
                linear_triton, norm_rope_triton, sampling_triton)
@@ -65,6 +66,13 @@ TRITON_OPS = Ops(
 TRITON_PROJECTION_OPS = replace(TRITON_OPS, linear=linear_triton.linear,
                                 norm_linear=linear_triton.norm_linear,
                                 silu_mul_linear=linear_triton.silu_mul_linear)
+
+# Triton for one-row batches only, where it measured faster than cuBLAS on every projection
+# (EngineConfig.projections="auto"; tools/tune_linear.py): above, cuBLAS was as fast or faster.
+TRITON_SINGLE_ROW_OPS = replace(
+    TRITON_OPS, linear=partial(linear_triton.linear, max_rows=1),
+    norm_linear=partial(linear_triton.norm_linear, max_rows=1),
+    silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=1))
 
 
 # Per-row results that do not depend on the batch (EngineConfig.batch_invariant): what lets a

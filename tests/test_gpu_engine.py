@@ -32,7 +32,7 @@ def test_graph_replay_matches_eager_for_every_bucket(n):
 
 
 @pytest.mark.parametrize("dtype,projections", [("float32", "cublas"), ("bfloat16", "cublas"),
-                                               ("bfloat16", "triton")])
+                                               ("bfloat16", "triton"), ("bfloat16", "auto")])
 def test_async_graphs_equal_sync(dtype, projections):
     reqs = _mixed_requests(24, seed=11)
     opts = dict(dtype=dtype, projections=projections)

@@ -138,6 +138,29 @@ def test_linear_falls_back_where_unsupported(K):
 
 @kernel_test
 @pytest.mark.gpu
+def test_single_row_projections_use_cublas_above_one_row(K):
+    """projections="auto" (max_rows=1): one row on the Triton kernels, more rows exactly the
+    cuBLAS path (norm kernel + F.linear, activation kernel + F.linear)."""
+    n, k = big((1024, 2048), (40, 128))
+    x = _randn((3, k), torch.bfloat16, 20)
+    res = _randn((3, k), torch.bfloat16, 21)
+    nw = (1.0 + 0.2 * _randn((k,), torch.float32, 22)).to(torch.bfloat16)
+    gu = _randn((3, 2 * k), torch.bfloat16, 23)
+    w = _randn((n, k), torch.bfloat16, 24, k ** -0.5)
+    lt = K.lt
+    assert torch.equal(lt.linear(x, w, max_rows=1), torch.nn.functional.linear(x, w))
+    for got, want in zip(lt.norm_linear(x, res, nw, 1e-6, w, max_rows=1),
+                         lt.norm_then_linear(x, res, nw, 1e-6, w)):
+        assert torch.equal(got, want)
+    assert torch.equal(lt.silu_mul_linear(gu, w, max_rows=1), lt.silu_mul_then_linear(gu, w))
+    _check(lt.linear(x[:1], w, max_rows=1), _ref_linear(x[:1], w), torch.bfloat16, "reduction")
+    normed, _ = norm_ref.add_rms_norm_ref(x[:1], res[:1], nw, 1e-6)
+    _check(lt.norm_linear(x[:1], res[:1], nw, 1e-6, w, max_rows=1)[0], _ref_linear(normed, w),
+           torch.bfloat16, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
 @pytest.mark.parametrize("packed", [True, False])
 def test_model_forward_with_triton_projections(K, hf_dirs_moderate, packed):
     """The whole model in bf16 with the Triton projections is no less accurate, against the

@@ -320,7 +320,7 @@ def main() -> None:
     ap.add_argument("--hf-kinds", nargs="*", default=["eager", "static+compile"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--projections", nargs="+", default=["cublas"],
-                    choices=["cublas", "triton", "invariant"],
+                    choices=["cublas", "triton", "auto", "invariant"],
                     help="decode: who runs the projections (invariant: batch_invariant=True)")
     ap.add_argument("--spec-ks", nargs="+", type=int, default=[1, 2, 4],
                     help="spec: K of the overhead set-ups")

@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--projections", nargs="+", default=["cublas"], choices=["cublas", "triton"])
+    ap.add_argument("--projections", nargs="+", default=["cublas"], choices=["cublas", "triton", "auto"])
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
