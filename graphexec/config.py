@@ -38,10 +38,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # default: on with CUDA
     capture_logprobs: bool = True  # False: steps that need logprobs run eagerly (less memory)
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
-    # Who runs the projections on CUDA: "cublas", or "triton" (kernels/linear_triton.py: M <= 64
-    # rows, RMSNorm fused in front). cuBLAS stays the default until the Triton ones are measured
-    # faster on the GPU (tools/tune_linear.py, tools/bench.py decode).
-    projections: str = "cublas"
+    # Who runs the projections on CUDA: "cublas", "triton" (kernels/linear_triton.py: M <= 64
+    # rows) or "auto": Triton for one-row batches (RMSNorm and silu * mul fused in front),
+    # cuBLAS above, the set that measured fastest at both batch 1 and 64 (docs/benchmarks.md).
+    projections: str = "auto"
     # Kernels whose per-row results do not depend on the batch size (CUDA + Triton): a draft
     # that computes what the target computes is then accepted every time, in bf16 too.
     batch_invariant: bool = False

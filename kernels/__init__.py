@@ -56,7 +56,7 @@ PROJECTIONS = ("cublas", "triton", "auto")
 
 
 def select_ops(device: torch.device, use_triton: bool | None = None,
-               projections: str = "cublas", batch_invariant: bool = False) -> Ops:
+               projections: str = "auto", batch_invariant: bool = False) -> Ops:
     """use_triton=None picks Triton on CUDA when it imports; False forces the references.
     projections: who runs the decode projections on CUDA, cuBLAS, the Triton small-M kernels
     (kernels/linear_triton.py), or "auto": Triton for one-row batches, cuBLAS above. batch_invariant: kernels whose per-row results do not depend

@@ -33,7 +33,7 @@ def test_manifest_of_another_kernel_set_is_refused(tmp_path):
     from graphexec import Engine
 
     path = str(tmp_path / "m.json")
-    _manifest().save(path)  # captured with the default (cuBLAS projections) kernels
+    _manifest().save(path)  # no kernels field given: the cuBLAS set (what manifests before it held)
     with pytest.raises(ValueError, match="captured with the 'cublas' kernels"):
         Engine("tiny", device="cpu", manifest=path, projections="triton")
     assert Manifest.load(path).kernels == "cublas"

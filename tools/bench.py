@@ -50,7 +50,7 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
                     bandwidth: float, max_batch: int, llm: LLM | None = None,
-                    diagnose: bool = False, projections: str = "cublas") -> tuple[dict, LLM]:
+                    diagnose: bool = False, projections: str = "auto") -> tuple[dict, LLM]:
     mc = preset(model)
     max_len = prompt_len + new + 16
     if llm is None:
@@ -102,7 +102,7 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16
     avg_ctx = prompt_len + new / 2
     roofline = (weights + batch * avg_ctx * kv_per_token) / bandwidth
-    label = mode if projections == "cublas" else f"{mode} {projections}-proj"
+    label = mode if projections == "auto" else f"{mode} {projections}-proj"
     res = dict(engine="graphexec", mode=label, projections=projections, model=model, batch=batch, prompt=prompt_len,
                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
                decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
@@ -213,7 +213,7 @@ def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> di
 
 def run_decode(models, batches, shapes, hf_batches, out_dir,
                hf_kinds=("eager", "static+compile"), modes=tuple(MODES),
-               diagnose: bool = False, projections=("cublas",)) -> list[dict]:
+               diagnose: bool = False, projections=("auto",)) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
@@ -319,7 +319,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["128+128", "1024+256"])
     ap.add_argument("--hf-kinds", nargs="*", default=["eager", "static+compile"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--projections", nargs="+", default=["cublas"],
+    ap.add_argument("--projections", nargs="+", default=["auto"],
                     choices=["cublas", "triton", "auto", "invariant"],
                     help="decode: who runs the projections (invariant: batch_invariant=True)")
     ap.add_argument("--spec-ks", nargs="+", type=int, default=[1, 2, 4],

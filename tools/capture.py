@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tolerance", type=float, default=5e-2, help="max logprob difference")
-    ap.add_argument("--projections", default="cublas", choices=["cublas", "triton", "auto"])
+    ap.add_argument("--projections", default="auto", choices=["cublas", "triton", "auto"])
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--out", default="manifest.json")
     args = ap.parse_args()

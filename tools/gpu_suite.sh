@@ -16,8 +16,8 @@ if has tests; then
   grep -E "FAILED|ERROR| passed| failed|slowest|^[0-9.]+s " "$OUT/test_gpu.log" | tail -60
 fi
 if has profile; then
-  timeout 150 python3 tools/profile_step.py --model llama-1b --batch 1 64 --out "$OUT" \
-    2>&1 | grep -v Warning > "$OUT/profile.log"; head -60 "$OUT/profile.log"
+  timeout ${PROFILE_TIMEOUT:-150} python3 tools/profile_step.py ${PROFILE_ARGS:---model llama-1b --batch 1 64} \
+    --out "$OUT" 2>&1 | grep -v Warning > "$OUT/profile.log"; grep -v "^  " "$OUT/profile.log" | head -20
 fi
 if has decode; then
   timeout ${DECODE_TIMEOUT:-300} python3 tools/bench.py decode ${DECODE_ARGS:-} --out "$OUT" \

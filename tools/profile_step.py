@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -38,8 +39,24 @@ def _kernel_times(fn, reps: int) -> dict[str, list]:
     return per_name
 
 
+def _launch_host_us(replay, reps: int) -> list[float]:
+    """Host time of each replay call while the previous replay still runs, as in the async
+    loop (launch n, then wait for n - 1). A launch that takes about a step blocked on the GPU."""
+    times, events = [], []
+    for i in range(reps):
+        t = time.perf_counter()
+        replay()
+        times.append((time.perf_counter() - t) * 1e6)
+        events.append(torch.cuda.Event())
+        events[-1].record()
+        if i:
+            events[i - 1].synchronize()
+    torch.cuda.synchronize()
+    return times[1:]
+
+
 def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
-                 projections: str = "cublas") -> dict:
+                 projections: str = "auto") -> dict:
     llm = LLM(model, max_batch=max(batch, 1), max_model_len=prompt_len + 512,
               buckets=[batch], num_kv_blocks=batch * 48 + 8, projections=projections)
     engine, runner = llm.engine, llm.engine.runner
@@ -60,6 +77,7 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
     end.record()
     torch.cuda.synchronize()
     wall_us = start.elapsed_time(end) * 1e3 / replays
+    launch_us = _launch_host_us(lambda: runner.graphs.replay(batch, variant), replays)
     per_name = _kernel_times(lambda: runner.graphs.replay(batch, variant), replays)
     source = "graph replay"
     if not per_name:  # this CUPTI did not report kernels inside graphs: same kernels, eager
@@ -76,6 +94,8 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
         engine.step()
     return dict(model=model, batch=batch, kernels_from=source, replay_wall_us=wall_us, kernel_busy_us=busy,
                 gap_us=wall_us - busy, kernels_per_step=launches,
+                launch_host_us=dict(mean=sum(launch_us) / len(launch_us), max=max(launch_us),
+                                    over_half_step=sum(t > wall_us / 2 for t in launch_us)),
                 kernels=[dict(name=n[:90], calls=c, us=round(t, 2)) for n, c, t in kernels])
 
 
@@ -84,7 +104,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--projections", nargs="+", default=["cublas"], choices=["cublas", "triton", "auto"])
+    ap.add_argument("--projections", nargs="+", default=["auto"], choices=["cublas", "triton", "auto"])
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -95,7 +115,10 @@ def main() -> None:
             json.dump(res, f, indent=1)
         print(f"{args.model} batch {b} ({proj} projections): replay {res['replay_wall_us']:.1f} us, kernels "
               f"{res['kernel_busy_us']:.1f} us, gaps {res['gap_us']:.1f} us, "
-              f"{res['kernels_per_step']:.0f} kernels/step")
+              f"{res['kernels_per_step']:.0f} kernels/step; replay call on the host (previous "
+              f"replay in flight): mean {res['launch_host_us']['mean']:.1f} us, max "
+              f"{res['launch_host_us']['max']:.1f} us, {res['launch_host_us']['over_half_step']} "
+              f"of {args.replays - 1} over half a step")
         for k in res["kernels"][:25]:
             print(f"  {k['us']:9.2f} us  x{k['calls']:5.1f}  {k['name']}")
 
