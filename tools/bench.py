@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import itertools
 import json
 import os
@@ -226,7 +227,10 @@ def run_decode(models, batches, shapes, hf_batches, out_dir,
                                                max(batches), llm, diagnose, proj)
                     print(json.dumps(res))
                     rows.append(res)
+                # Reference cycles would keep the engine (its graphs, pinned buffers and KV)
+                # alive into the next configuration's timed run.
                 del llm
+                gc.collect()
                 torch.cuda.empty_cache()
         for kind in hf_kinds:
             for batch in hf_batches:
