@@ -16,6 +16,7 @@ BLOCK_K pieces (so it may differ from the separate norm kernel in the last bit).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper+); Triton versions without it launch normally
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HAS_GDC = False
 
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
@@ -34,6 +41,24 @@ MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
 # the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
 # launches (tools/tune_linear.py, H100), while at one row they saved 7-10%.
 FUSE_MAX_ROWS = 1
+
+
+# GRAPHEXEC_PDL=0 turns programmatic dependent launch off (to compare, or to rule it out).
+_PDL_ENV = os.environ.get("GRAPHEXEC_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    """Launch the projections with programmatic dependent launch: on sm_90+ a projection's
+    programs may start while the kernel before it drains, and load their first weight tile
+    (weights are never written during decode) before waiting for that kernel's results."""
+    return (_HAS_GDC and _PDL_ENV and not _INTERPRET and x.is_cuda
+            and _capability(x.device.index if x.device.index is not None
+                            else torch.cuda.current_device())[0] >= 9)
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -61,13 +86,48 @@ class LinearConfig:
 
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
+@triton.jit
+def _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype: tl.constexpr,
+                NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr):
+    """The projection's input for K columns ks: x, or silu(gate) * up, or the RMSNorm of
+    (x + residual), rounded like the separate kernels would."""
+    xv = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if GATED:
+        # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded like
+        # kernels/activation_triton.py (silu to the dtype, then the product).
+        up = tl.load(x_rows + K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        g = xv.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+        xv = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    if NORM:
+        if HAS_RES:
+            rv = tl.load(r_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
+        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
+        y = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+        xv = (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+    return xv
+
+
+@triton.jit
+def _accumulate(acc, xv, wv, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+    if BLOCK_M == 1:  # CUDA cores: [BLOCK_N, BLOCK_K] products, summed over K at the end
+        acc += wv.to(tl.float32) * xv.to(tl.float32)
+    elif UPCAST:
+        acc += tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)), input_precision="ieee")
+    else:
+        acc += tl.dot(xv, tl.trans(wv))
+    return acc
+
+
+# M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr, UPCAST: tl.constexpr):
+                   STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -83,7 +143,23 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
 
+    k_start = k_lo
+    if PDL:
+        # Launched as a programmatic dependent: this program may run before the previous
+        # kernel has finished. Let the next projection launch as early, fetch the first weight
+        # tile (weights are read-only), and only then wait: nothing produced by an earlier
+        # kernel is read, and nothing written, before gdc_wait.
+        gdc_launch_dependents()
+        ks0 = k_lo + rk
+        w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < k_hi)[None, :],
+                          other=0.0)
+        gdc_wait()
+        k_start = k_lo + BLOCK_K
+
+    rstd = eps  # a placeholder unless NORM
     if NORM:
         # Every program needs the whole row's mean square, split or not: one pass over K of the
         # (small, L2-resident) input. One program also writes the residual sum out.
@@ -102,45 +178,26 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
             ss += tl.sum(xf * xf, axis=1)
         rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
 
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     if BLOCK_M == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PDL:  # the first K block, with the weight tile fetched before the wait
+        ks0 = k_lo + rk
+        xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks0, ks0 < k_hi, m_ok, rstd, dtype,
+                         NORM, HAS_RES, GATED)
+        acc = _accumulate(acc, xv, w_first, BLOCK_M, UPCAST)
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         ks = k0 + rk
         k_ok = ks < k_hi
-        xv = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:
-            # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded like
-            # kernels/activation_triton.py (silu to the dtype, then the product).
-            up = tl.load(x_rows + K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            g = xv.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-            xv = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
-        if NORM:
-            if HAS_RES:
-                rv = tl.load(r_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
-            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
-            y = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
-            xv = (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+        xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype,
+                         NORM, HAS_RES, GATED)
         wv = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc2 += wv.to(tl.float32) * xv.to(tl.float32)
-        else:
-            if UPCAST:
-                acc += tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)),
-                              input_precision="ieee")
-            else:
-                acc += tl.dot(xv, tl.trans(wv))
+        acc = _accumulate(acc, xv, wv, BLOCK_M, UPCAST)
     if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
+        acc = tl.sum(acc, axis=1)[None, :]
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -225,6 +282,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     split = triton.cdiv(k, k_per_split)
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
+    pdl = _pdl(x)
     _linear_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None
         else x, weight, bias if bias is not None else x, out, summed, ws,
@@ -233,8 +291,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT=split,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphexec.kernels import activation as act_ref
-from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test, norm_ref
+from kernel_helpers import CPU_MODE, DEV, INTERPRET, _check, _randn, big, kernel_test, norm_ref
 
 LOW = [torch.bfloat16, torch.float16]
 
@@ -255,3 +255,54 @@ def test_model_decode_equals_prefill_with_batch_invariant_kernels(K, hf_dirs_mod
                            seq_lens=t([n]).int())
     decoded = model.compute_logits(model.forward(t(prompt[n - 1:]), t([n - 1]), attn, kv))[0]
     assert torch.equal(decoded, whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU_MODE or INTERPRET or not torch.cuda.is_available(),
+                    reason="programmatic dependent launch needs a real sm_90+ GPU")
+@pytest.mark.parametrize("m", [1, 16])
+def test_dependent_launch_chain_in_a_graph_equals_plain_launches(m, monkeypatch):
+    """Projections launched as programmatic dependents start while the kernel before them
+    drains and fetch a weight tile before waiting for it. A chain where each projection eats
+    the previous one's output (fused norm and silu * mul included, and a torch kernel in
+    between), captured in a CUDA graph and replayed on fresh inputs, must equal the same chain
+    launched plainly, bit for bit: one input read before its producer finished would show up
+    as a stale value from the previous replay."""
+    from graphexec.kernels import linear_triton as lt
+
+    if not lt._pdl(torch.empty(1, device="cuda")):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    h, inter = 2048, 4096
+    w_sq = _randn((h, h), torch.bfloat16, 30, h ** -0.5)
+    w_up = _randn((2 * inter, h), torch.bfloat16, 31, h ** -0.5)
+    w_down = _randn((h, inter), torch.bfloat16, 32, inter ** -0.5)
+    nw = (1.0 + 0.1 * _randn((h,), torch.float32, 33)).to(torch.bfloat16)
+    cfg = {n: lt.pick_config(m, *w.shape) for n, w in (("sq", w_sq), ("up", w_up),
+                                                       ("down", w_down))}
+
+    def chain(x):
+        y = lt.linear(x, w_sq)
+        y, s = lt.norm_linear(y, x, nw, 1e-5, w_sq, config=cfg["sq"])
+        y = torch.tanh(y) + s
+        g = lt.linear(y, w_up)
+        z = lt.silu_mul_linear(g, w_down, config=cfg["down"])
+        return lt.linear(z, w_sq)
+
+    x_static = _randn((m, h), torch.bfloat16, 34)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(x_static)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = chain(x_static)
+    for trial in range(12):
+        x = _randn((m, h), torch.bfloat16, 100 + trial)
+        x_static.copy_(x)
+        graph.replay()
+        got = out_static.clone()
+        with monkeypatch.context() as mp:
+            mp.setattr(lt, "_pdl", lambda t: False)
+            want = chain(x)
+        assert torch.equal(got, want), trial

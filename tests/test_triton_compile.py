@@ -124,6 +124,38 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
             assert fast > 0 and scalar <= 2, (sorted(consts.items()), fast, scalar)
 
 
+def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
+    """On sm_90 the projections launch as programmatic dependents: each must fetch only
+    weights before griddepcontrol.wait (anything an earlier kernel wrote, or a store, before
+    the wait would race with it), and it signals its own dependents."""
+    from graphexec.kernels import linear_triton as lt
+
+    monkeypatch.setattr(lt, "_pdl", lambda x: True)
+    h, qkv, inter = 2048, 3072, 8192
+    for m in (1, 16):
+        x, res = _bf16(m, h), _bf16(m, h)
+        lt.linear(x, _bf16(qkv, h), _bf16(qkv))
+        lt.norm_linear(x, res, _bf16(h), 1e-5, _bf16(qkv, h), config=lt.pick_config(m, qkv, h))
+        lt.silu_mul_linear(_bf16(m, 2 * inter), _bf16(h, inter),
+                           config=lt.pick_config(m, h, inter))
+    kernels = [k for name, k in compiled if name == "_linear_kernel"]
+    assert len(kernels) == 6
+    for kernel in kernels:
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.launch_pdl
+        assert ptx.count("griddepcontrol.wait") == 1, "one wait"
+        assert "griddepcontrol.launch_dependents" in ptx
+        before = ptx[:ptx.index("griddepcontrol.wait")]
+        assert not re.search(r"\bst\.global|cp\.async\.bulk|\bred\.|\batom\.", before)
+        # Before the wait: exactly the first weight tile, in 16-byte loads (8 bf16 per load,
+        # 32 threads per warp); x, the residual and the norm weight come after it.
+        consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
+        loads_before = re.findall(r"ld\.global(?:\.\w+)*\.v4|cp\.async", before)
+        tile_loads = consts["BLOCK_N"] * consts["BLOCK_K"] // (kernel.metadata.num_warps * 32 * 8)
+        assert len(loads_before) == tile_loads, (sorted(consts.items()), len(loads_before))
+        assert not re.search(r"ld\.global(?!(?:\.\w+)*\.v4)", before)
+
+
 def test_model_kernels_compile(compiled):
     from graphexec.kernels import rope
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
