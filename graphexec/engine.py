@@ -139,9 +139,12 @@ class Engine:
                 raise ValueError(f"prompt for {request_id!r} is a string but the model has no "
                                  "tokenizer.json: pass token ids")
             prompt = self.tokenizer.encode(prompt)
+        if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
+            prompt = prompt.tolist()  # a 1-D numpy array or tensor; its ints are checked below
         if not isinstance(prompt, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"prompt_token_ids for {request_id!r} must be a list of ints")
+            raise ValueError(f"prompt_token_ids for {request_id!r} must be a list (or 1-D array) "
+                             f"of ints, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError(f"prompt_token_ids for {request_id!r} is empty")
         vocab = self.model_config.vocab_size

@@ -1,7 +1,9 @@
 """The engine's behaviour on CPU: API, bad inputs, finishes, batch invariance, async == sync."""
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from graphexec import Engine, LLM, RequestOutput, SamplingParams
 
@@ -41,6 +43,10 @@ def test_bad_inputs_raise_and_engine_keeps_serving():
         (("strprompt", "hello", None), "tokenizer"),
         # would index past the logits row on the device and take every request down with it
         (("stop", [1, 2], SamplingParams(stop_token_ids=[3, 512])), "stop_token_ids.*512"),
+        (("floats", [1.0, 2.0], None), "prompt_token_ids.*ints"),
+        (("float_array", torch.tensor([1.0, 2.0]), None), "prompt_token_ids.*ints"),
+        (("matrix", torch.tensor([[1, 2]]), None), "prompt_token_ids.*Tensor"),
+        (("bools", torch.tensor([True, False]), None), "prompt_token_ids.*ints"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -49,6 +55,16 @@ def test_bad_inputs_raise_and_engine_keeps_serving():
         engine.abort("nope")
     out = run_engine(engine, [])
     assert out["ok"].finish_reason == "length" and len(out["ok"].token_ids) == 5
+
+
+def test_prompts_as_int_arrays_equal_lists():
+    """A 1-D numpy array or tensor of token ids is the same prompt as the list."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompt = [5, 9, 200, 31]
+    ref = run_engine(Engine("tiny"), [("l", prompt, params)])["l"].token_ids
+    for name, arr in (("np", np.array(prompt, dtype=np.int64)),
+                      ("np32", np.array(prompt, dtype=np.int32)), ("pt", torch.tensor(prompt))):
+        assert run_engine(Engine("tiny"), [(name, arr, params)])[name].token_ids == ref, name
 
 
 def test_top_k_covering_the_vocabulary_is_no_filter():
