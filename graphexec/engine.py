@@ -7,6 +7,7 @@ after launching it; it is the oracle async mode must equal token for token.
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 from collections import deque
@@ -97,11 +98,42 @@ class Engine:
         self._step_id = 0
         self._aborted: list[Request] = []
         self._waits_seen = 0
+        self._closed = False
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Frees the engine's device memory now (graphs, KV cache, weights, staging buffers)
+        rather than whenever Python collects it: a process that builds engines one after
+        another should close each. Unfinished requests are dropped. Idempotent."""
+        if self._closed:
+            return
+        if self.config.device.type == "cuda":
+            torch.cuda.synchronize(self.config.device)  # steps in flight still use the buffers
+        self._closed = True
+        self.requests.clear()
+        self.in_flight.clear()
+        self._aborted = []
+        self.runner = self.model = self.kv = self.scheduler = self.pool = None
+        gc.collect()
+        if self.config.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine is closed")
 
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | str,
                     params: SamplingParams | None = None) -> None:
+        self._check_open()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -170,6 +202,7 @@ class Engine:
                 f"lower max_tokens or raise num_kv_blocks")
 
     def abort(self, request_id: str) -> None:
+        self._check_open()
         req = self.requests.get(request_id)
         if req is None or req.finished:
             raise ValueError(f"request_id={request_id!r} is not a running or waiting request")
@@ -191,12 +224,15 @@ class Engine:
                     admitted=sc.admitted)
 
     def has_unfinished(self) -> bool:
+        if self._closed:
+            return False
         return (any(not r.finished for r in self.requests.values()) or bool(self.in_flight)
                 or bool(self._aborted))
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
         if self._all_rows_may_end_in_flight():

@@ -13,13 +13,24 @@ class LLM:
         self.engine = Engine(model, **options)
         self._counter = 0
 
+    def close(self) -> None:
+        """Frees the engine's device memory now (see Engine.close)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: Sequence[list[int] | str] | list[int] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the prompts' order. A prompt
         that fails validation raises before anything runs, naming the prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if (isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1
+                or (len(prompts) and isinstance(prompts[0], int))):
+            prompts = [prompts]  # one prompt: a string, a list of ids or a 1-D array
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

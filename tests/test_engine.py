@@ -244,3 +244,30 @@ def test_streamed_outputs_are_snapshots():
     assert first != seen[-1]
     assert first == RequestOutput(first.request_id, first.prompt_token_ids, first.token_ids,
                                   first.new_token_ids, None, first.logprobs)
+
+
+def test_close_frees_the_engine_and_refuses_further_use():
+    import weakref
+
+    with LLM("tiny", num_kv_blocks=64) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+        kv = weakref.ref(llm.engine.kv.k[0])
+        llm.engine.add_request("left", [1, 2, 3], SamplingParams(max_tokens=50))
+        llm.engine.step()  # running, not finished: close drops it
+    assert len(out[0].token_ids) == 3
+    engine = llm.engine
+    assert kv() is None, "the KV cache outlived close()"
+    assert not engine.has_unfinished()
+    for call in (lambda: engine.step(), lambda: engine.abort("left"),
+                 lambda: engine.add_request("x", [1], SamplingParams())):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    engine.close()  # idempotent
+
+
+def test_generate_takes_arrays_of_prompts():
+    params = SamplingParams(max_tokens=4, temperature=0)
+    llm = LLM("tiny")
+    ref = [o.token_ids for o in llm.generate([[5, 9, 200], [7, 8, 9]], params)]
+    assert [o.token_ids for o in llm.generate(np.array([[5, 9, 200], [7, 8, 9]]), params)] == ref
+    assert llm.generate(torch.tensor([5, 9, 200]), params)[0].token_ids == ref[0]
