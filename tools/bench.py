@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import itertools
 import json
 import os
@@ -227,11 +226,11 @@ def run_decode(models, batches, shapes, hf_batches, out_dir,
                                                max(batches), llm, diagnose, proj)
                     print(json.dumps(res))
                     rows.append(res)
-                # Reference cycles would keep the engine (its graphs, pinned buffers and KV)
-                # alive into the next configuration's timed run.
+                # Free this engine's graphs, buffers and KV before the next configuration's
+                # timed run (later engines showed host stalls while earlier ones lingered).
+                if llm is not None:
+                    llm.close()
                 del llm
-                gc.collect()
-                torch.cuda.empty_cache()
         for kind in hf_kinds:
             for batch in hf_batches:
                 prompt_len, new = shapes[0]

@@ -15,7 +15,6 @@ same for every set-up, does not dilute the comparison; end-to-end tokens/s is re
 """
 from __future__ import annotations
 
-import gc
 import json
 import time
 
@@ -88,9 +87,8 @@ def bench_spec(path: str, batches=(1, 16, 64), ks=(1, 2, 4), prompt_len: int = 1
                            **_run(llm, batch, async_mode, prompt_len, new))
                 print(json.dumps(res), flush=True)
                 rows.append(res)
+        llm.close()
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
     plain = {(r["batch"], r["mode"]): r["decode_tokens_per_s"] for r in rows
              if r["setup"] == "plain"}
     for r in rows:

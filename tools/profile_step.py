@@ -92,6 +92,7 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
             if not engine.requests[rid].finished:
                 engine.abort(rid)
         engine.step()
+    llm.close()
     return dict(model=model, batch=batch, kernels_from=source, replay_wall_us=wall_us, kernel_busy_us=busy,
                 gap_us=wall_us - busy, kernels_per_step=launches,
                 launch_host_us=dict(mean=sum(launch_us) / len(launch_us), max=max(launch_us),
