@@ -8,6 +8,7 @@ after launching it; it is the oracle async mode must equal token for token.
 from __future__ import annotations
 
 import gc
+import numbers
 import os
 import random
 from collections import deque
@@ -174,7 +175,7 @@ class Engine:
         if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
             prompt = prompt.tolist()  # a 1-D numpy array or tensor; its ints are checked below
         if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise ValueError(f"prompt_token_ids for {request_id!r} must be a list (or 1-D array) "
                              f"of ints, got {type(prompt).__name__}")
         if not prompt:
@@ -187,7 +188,7 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids for {request_id!r} has {len(prompt)} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
-        return list(prompt)
+        return [int(t) for t in prompt]  # numpy integers become Python ints
 
     def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
         """A request that can outgrow the whole KV cache would stall forever once it is alone:

@@ -1,6 +1,7 @@
 """LLM: the offline batch API over an Engine."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from .engine import Engine
@@ -29,7 +30,7 @@ class LLM:
         """Runs every prompt to completion; outputs come back in the prompts' order. A prompt
         that fails validation raises before anything runs, naming the prompt."""
         if (isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1
-                or (len(prompts) and isinstance(prompts[0], int))):
+                or (len(prompts) and isinstance(prompts[0], numbers.Integral))):
             prompts = [prompts]  # one prompt: a string, a list of ids or a 1-D array
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)

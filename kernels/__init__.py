@@ -58,9 +58,10 @@ PROJECTIONS = ("cublas", "triton", "auto")
 def select_ops(device: torch.device, use_triton: bool | None = None,
                projections: str = "auto", batch_invariant: bool = False) -> Ops:
     """use_triton=None picks Triton on CUDA when it imports; False forces the references.
-    projections: who runs the decode projections on CUDA, cuBLAS, the Triton small-M kernels
-    (kernels/linear_triton.py), or "auto": Triton for one-row batches, cuBLAS above. batch_invariant: kernels whose per-row results do not depend
-    on the batch (Triton only; it overrides projections)."""
+    projections: who runs the decode projections on CUDA: "cublas", "triton" (the small-M
+    kernels of kernels/linear_triton.py) or "auto" (Triton for one-row batches, cuBLAS above).
+    batch_invariant: kernels whose per-row results do not depend on the batch (Triton only; it
+    overrides projections)."""
     if projections not in PROJECTIONS:
         raise ValueError(f"projections={projections!r} is not one of {PROJECTIONS}")
     if device.type != "cuda" or use_triton is False:

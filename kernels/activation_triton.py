@@ -7,13 +7,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 def _new(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -32,6 +36,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     block = min(2048, triton.next_power_of_2(i))
+    dependent = pdl.enabled(gate_up, projection=False)
     _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0),
-                                                 out.stride(0), BLOCK=block, num_warps=4)
+                                                 out.stride(0), BLOCK=block, PDL=dependent,
+                                                 num_warps=4, launch_pdl=dependent)
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 # Triton's CPU interpreter computes bf16 tl.dot wrongly; there bf16 operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -103,11 +105,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                          sq0, sq1, skb, sks, skh, svb, svs, svh, sbt0, so0, so1,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DIRECT: tl.constexpr, IEEE: tl.constexpr):
+                         DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
     The context [0, seq_len) is cut into NUM_SPLITS equal runs of whole BLOCK_N tiles, so the
     work follows the real length while the grid depends on shapes only. Scores are in log2
     units (qk_scale includes log2(e))."""
+    pdl.prologue(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -175,7 +178,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
 
 @triton.jit
 def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D, NUM_SPLITS, so0, so1,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hq = tl.num_programs(1)
@@ -297,6 +301,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         po = _new((b, hq, num_splits, block_d), torch.float32, q.device)
         pm = _new((b, hq, num_splits), torch.float32, q.device)
         pl = _new((b, hq, num_splits), torch.float32, q.device)
+    dependent = pdl.enabled(q, projection=False)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl,
         float(scale) * _LOG2E, g, d, num_splits,
@@ -304,11 +309,13 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=ieee, num_warps=4, num_stages=3)
+        DIRECT=direct, IEEE=ieee, PDL=dependent, num_warps=4, num_stages=3,
+        launch_pdl=dependent)
     if not direct:
         _decode_reduce_kernel[(b, hq)](
             po, pm, pl, out, d, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=dependent,
+            num_warps=4, launch_pdl=dependent)
     return out
 
 

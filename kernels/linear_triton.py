@@ -16,7 +16,6 @@ BLOCK_K pieces (so it may differ from the separate norm kernel in the last bit).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -25,12 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Hopper+); Triton versions without it launch normally
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    _HAS_GDC = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAS_GDC = False
-
+from . import pdl
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
 
@@ -41,24 +35,6 @@ MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
 # the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
 # launches (tools/tune_linear.py, H100), while at one row they saved 7-10%.
 FUSE_MAX_ROWS = 1
-
-
-# GRAPHEXEC_PDL=0 turns programmatic dependent launch off (to compare, or to rule it out).
-_PDL_ENV = os.environ.get("GRAPHEXEC_PDL", "1") != "0"
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _pdl(x: torch.Tensor) -> bool:
-    """Launch the projections with programmatic dependent launch: on sm_90+ a projection's
-    programs may start while the kernel before it drains, and load their first weight tile
-    (weights are never written during decode) before waiting for that kernel's results."""
-    return (_HAS_GDC and _PDL_ENV and not _INTERPRET and x.is_cuda
-            and _capability(x.device.index if x.device.index is not None
-                            else torch.cuda.current_device())[0] >= 9)
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -148,15 +124,15 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
 
     k_start = k_lo
     if PDL:
-        # Launched as a programmatic dependent: this program may run before the previous
-        # kernel has finished. Let the next projection launch as early, fetch the first weight
-        # tile (weights are read-only), and only then wait: nothing produced by an earlier
-        # kernel is read, and nothing written, before gdc_wait.
-        gdc_launch_dependents()
+        # Launched as a programmatic dependent (kernels/pdl.py): this program may run before
+        # the previous kernel has finished. Let the next kernel launch as early, fetch the
+        # first weight tile (weights are never written during decode), and only then wait:
+        # nothing produced by an earlier kernel is read, and nothing written, before gdc_wait.
+        pdl.gdc_launch_dependents()
         ks0 = k_lo + rk
         w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < k_hi)[None, :],
                           other=0.0)
-        gdc_wait()
+        pdl.gdc_wait()
         k_start = k_lo + BLOCK_K
 
     rstd = eps  # a placeholder unless NORM
@@ -282,7 +258,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     split = triton.cdiv(k, k_per_split)
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
-    pdl = _pdl(x)
+    dependent = pdl.enabled(x, projection=True)
     _linear_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None
         else x, weight, bias if bias is not None else x, out, summed, ws,
@@ -291,8 +267,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT=split,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 def _new(shape, dtype, device) -> torch.Tensor:
     """Every output of this module is allocated here (tests replace it to poison outputs)."""
@@ -30,9 +32,11 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
                      n_rows, inner, D, eps,
                      sx0, sx1, sr0, sr1,
-                     HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
     """Rows are the leading dims flattened (up to two of them: [outer, inner, D] with strides
     (s0, s1, 1)); outputs are contiguous [n_rows, D]."""
+    pdl.prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -94,10 +98,11 @@ def _norm_launch(x, residual, weight, eps):
     rows = max(1, min(64, 4096 // block_d))
     num_warps = 8 if block_d >= 4096 else 4
     grid = (triton.cdiv(n_rows, rows),)
+    dependent = pdl.enabled(x, projection=False)
     _rms_norm_kernel[grid](xv, rv, w, out, summed if summed is not None else out,
                            n_rows, inner, d, float(eps), sx0, sx1, sr0, sr1,
                            HAS_RES=residual is not None, ROWS=rows, BLOCK_D=block_d,
-                           num_warps=num_warps)
+                           PDL=dependent, num_warps=num_warps, launch_pdl=dependent)
     return out, summed
 
 
@@ -202,7 +207,9 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, 
                           cos_ptr, sin_ptr, HQ, HK, HALF, sq0, sq1, sk0, sk1, sv0, sv1, sc0,
                           skc, skh, svc, svh,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                          BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl.prologue(PDL)
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -244,10 +251,11 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     cap = max(1, 4096 // block_half)
     block_hq = min(triton.next_power_of_2(hq), cap)
     block_hk = min(triton.next_power_of_2(hk), cap)
+    dependent = pdl.enabled(q, projection=False)
     _rope_write_kv_kernel[(t,)](
         q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, hq, hk, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
         v_cache.stride(2), BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_D=2 * block_half, num_warps=4)
+        BLOCK_D=2 * block_half, PDL=dependent, num_warps=4, launch_pdl=dependent)
     return q_out

@@ -63,14 +63,15 @@ TRITON_OPS = Ops(
 )
 
 # The same with the projections on Triton (EngineConfig.projections="triton").
-TRITON_PROJECTION_OPS = replace(TRITON_OPS, linear=linear_triton.linear,
+TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
+                                linear=linear_triton.linear,
                                 norm_linear=linear_triton.norm_linear,
                                 silu_mul_linear=linear_triton.silu_mul_linear)
 
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection
 # (EngineConfig.projections="auto"; tools/tune_linear.py): above, cuBLAS was as fast or faster.
 TRITON_SINGLE_ROW_OPS = replace(
-    TRITON_OPS, linear=partial(linear_triton.linear, max_rows=1),
+    TRITON_OPS, name="triton-auto", linear=partial(linear_triton.linear, max_rows=1),
     norm_linear=partial(linear_triton.norm_linear, max_rows=1),
     silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=1))
 

@@ -271,3 +271,4 @@ def test_generate_takes_arrays_of_prompts():
     ref = [o.token_ids for o in llm.generate([[5, 9, 200], [7, 8, 9]], params)]
     assert [o.token_ids for o in llm.generate(np.array([[5, 9, 200], [7, 8, 9]]), params)] == ref
     assert llm.generate(torch.tensor([5, 9, 200]), params)[0].token_ids == ref[0]
+    assert llm.generate([np.int64(5), np.int32(9), np.int64(200)], params)[0].token_ids == ref[0]

@@ -260,8 +260,9 @@ def test_model_decode_equals_prefill_with_batch_invariant_kernels(K, hf_dirs_mod
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU_MODE or INTERPRET or not torch.cuda.is_available(),
                     reason="programmatic dependent launch needs a real sm_90+ GPU")
+@pytest.mark.parametrize("mode", ["projections", "all"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m):
+def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m, mode, monkeypatch):
     """Projections launched as programmatic dependents start while the kernel before them
     drains and fetch a weight tile before waiting for it. A chain where each projection eats
     the previous one's output (fused norm and silu * mul included, and a torch kernel in
@@ -269,10 +270,14 @@ def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m):
     kernels run eagerly with a device synchronisation after each (no overlap possible), bit for
     bit: one input read before its producer finished would show up as a stale value from the
     previous replay. (Against launches without PDL it is not bitwise: the PDL variant is
-    compiled differently and rounds an element in a thousand by one ulp.)"""
+    compiled differently and rounds an element in a thousand by one ulp.) Mode "all" adds the
+    Triton RMSNorm and silu * mul kernels to the chain as dependents too."""
+    from graphexec.kernels import activation_triton, norm_rope_triton
     from graphexec.kernels import linear_triton as lt
+    from graphexec.kernels import pdl
 
-    if not lt._pdl(torch.empty(1, device="cuda")):
+    monkeypatch.setattr(pdl, "mode", mode)
+    if not pdl.enabled(torch.empty(1, device="cuda"), projection=True):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
     h, inter = 2048, 4096
     w_sq = _randn((h, h), torch.bfloat16, 30, h ** -0.5)
@@ -290,9 +295,11 @@ def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m):
         y = step(lt.linear(x, w_sq))
         y, s = step(lt.norm_linear(y, x, nw, 1e-5, w_sq, config=cfg["sq"]))
         y = step(torch.tanh(y) + s)
+        y, s = step(norm_rope_triton.add_rms_norm(y, s, nw, 1e-5))
         g = step(lt.linear(y, w_up))
         z = step(lt.silu_mul_linear(g, w_down, config=cfg["down"]))
-        return step(lt.linear(z, w_sq))
+        z2 = step(lt.linear(step(activation_triton.silu_mul(g)), w_down))
+        return step(lt.linear(step(z + z2), w_sq))
 
     x_static = _randn((m, h), torch.bfloat16, 34)
     side = torch.cuda.Stream()

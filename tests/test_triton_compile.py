@@ -124,29 +124,36 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
             assert fast > 0 and scalar <= 2, (sorted(consts.items()), fast, scalar)
 
 
-def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
-    """On sm_90 the projections launch as programmatic dependents: each must fetch only
-    weights before griddepcontrol.wait (anything an earlier kernel wrote, or a store, before
-    the wait would race with it), and it signals its own dependents."""
-    from graphexec.kernels import linear_triton as lt
+def _before_wait(ptx: str) -> str:
+    assert ptx.count("griddepcontrol.wait") == 1, "one wait"
+    assert "griddepcontrol.launch_dependents" in ptx
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert not re.search(r"\bst\.global|cp\.async\.bulk|\bred\.|\batom\.", before)
+    return before
 
-    monkeypatch.setattr(lt, "_pdl", lambda x: True)
+
+def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
+    """On sm_90 the projections launch as programmatic dependents (kernels/pdl.py): each must
+    fetch only weights before griddepcontrol.wait (anything an earlier kernel wrote, or a
+    store, before the wait would race with it), and it signals its own dependents."""
+    from graphexec.kernels import linear_triton as lt
+    from graphexec.kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection: projection)
     h, qkv, inter = 2048, 3072, 8192
     for m in (1, 16):
         x, res = _bf16(m, h), _bf16(m, h)
         lt.linear(x, _bf16(qkv, h), _bf16(qkv))
-        lt.norm_linear(x, res, _bf16(h), 1e-5, _bf16(qkv, h), config=lt.pick_config(m, qkv, h))
+        # one row: the shipped fused config (pick_norm_config); more: a forced fused one
+        cfg = None if m == 1 else lt.pick_config(m, qkv, h)
+        lt.norm_linear(x, res, _bf16(h), 1e-5, _bf16(qkv, h), config=cfg)
         lt.silu_mul_linear(_bf16(m, 2 * inter), _bf16(h, inter),
-                           config=lt.pick_config(m, h, inter))
+                           config=None if m == 1 else lt.pick_config(m, h, inter))
     kernels = [k for name, k in compiled if name == "_linear_kernel"]
     assert len(kernels) == 6
     for kernel in kernels:
-        ptx = kernel.asm["ptx"]
         assert kernel.metadata.launch_pdl
-        assert ptx.count("griddepcontrol.wait") == 1, "one wait"
-        assert "griddepcontrol.launch_dependents" in ptx
-        before = ptx[:ptx.index("griddepcontrol.wait")]
-        assert not re.search(r"\bst\.global|cp\.async\.bulk|\bred\.|\batom\.", before)
+        before = _before_wait(kernel.asm["ptx"])
         # Before the wait: exactly the first weight tile, in 16-byte loads (8 bf16 per load,
         # 32 threads per warp); x, the residual and the norm weight come after it.
         consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
@@ -154,6 +161,35 @@ def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
         tile_loads = consts["BLOCK_N"] * consts["BLOCK_K"] // (kernel.metadata.num_warps * 32 * 8)
         assert len(loads_before) == tile_loads, (sorted(consts.items()), len(loads_before))
         assert not re.search(r"ld\.global(?!(?:\.\w+)*\.v4)", before)
+
+
+def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, monkeypatch):
+    """GRAPHEXEC_PDL=all: RMSNorm, rope + KV write, decode attention and silu * mul launch as
+    dependents and wait before any global load or store."""
+    from graphexec.kernels import pdl
+    from graphexec.kernels.triton_ops import TRITON_OPS as ops
+    from graphexec.kernels.attention_triton import decode_attention_splits
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection: True)
+    t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
+    ops.rms_norm(_bf16(t, 2048), _bf16(2048), 1e-5)
+    ops.add_rms_norm(_bf16(t, 2048), _bf16(t, 2048), _bf16(2048), 1e-5)
+    q, k, v = _bf16(t, hq, d), _bf16(t, hk, d), _bf16(t, hk, d)
+    cos, sin = torch.randn(64, d // 2), torch.randn(64, d // 2)
+    kc, vc = _bf16(nb, bs, hk, d), _bf16(nb, bs, hk, d)
+    ops.rope_write_kv(q, k, v, torch.arange(t), cos, sin, kc, vc, torch.arange(t))
+    ops.silu_mul(_bf16(t, 2 * 8192))
+    tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
+    decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
+                            d ** -0.5, 4)
+    names = {name for name, _ in compiled}
+    expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
+                "_decode_split_kernel", "_decode_reduce_kernel"}
+    assert expected <= names, expected - names
+    for name, kernel in compiled:
+        if name in expected:
+            assert kernel.metadata.launch_pdl, name
+            assert not re.search(r"ld\.global|cp\.async", _before_wait(kernel.asm["ptx"])), name
 
 
 def test_model_kernels_compile(compiled):
