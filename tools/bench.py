@@ -4,7 +4,8 @@ decode: graphexec (async+graphs, sync+graphs, eager) against HuggingFace transfo
 static cache + torch.compile) with the same prompts and token counts end to end, plus
 graphexec's decode-only step time, GPU idle time between steps, host time per step and the
 fraction of the HBM roofline (weights + KV bytes per step over the copy bandwidth measured in
-the same run). Writes JSON, a PNG plot, and the tables into docs/benchmarks.md.
+the same run). Writes JSON, a PNG plot and markdown tables under --out; `--docs
+docs/benchmarks.md` also appends the tables (with date, GPU and command) to that file.
 """
 from __future__ import annotations
 
@@ -312,6 +313,14 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
+def _append_docs(path: str | None, title: str, md: str) -> None:
+    """Appends one measured section (its tables carry date, GPU and command) to path."""
+    if path is None:
+        return
+    with open(path, "a") as f:
+        f.write(f"\n### {title}, {datetime.date.today().isoformat()}\n\n{md}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["decode", "kernels", "spec", "all"])
@@ -332,6 +341,8 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true",
                     help="time schedule/launch/reconcile per step, list the slowest steps")
     ap.add_argument("--out", default="out")
+    ap.add_argument("--docs", default=None,
+                    help="append the markdown tables to this file (docs/benchmarks.md)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     command = "python tools/bench.py " + " ".join(sys.argv[1:])
@@ -348,6 +359,7 @@ def main() -> None:
         md = bench_spec.markdown(rows, command)
         with open(os.path.join(args.out, "spec.md"), "w") as f:
             f.write(md + "\n")
+        _append_docs(args.docs, "Speculative decoding: `tools/bench.py spec`", md)
         print(md)
     if args.what in ("decode", "all"):
         shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
@@ -359,6 +371,7 @@ def main() -> None:
         md = markdown(rows, command)
         with open(os.path.join(args.out, f"decode_{tag}.md"), "w") as f:
             f.write(md + "\n")
+        _append_docs(args.docs, f"Decode: `tools/bench.py decode` ({', '.join(args.models)})", md)
         print(md)
 
 
