@@ -172,8 +172,12 @@ class Engine:
                 raise ValueError(f"prompt for {request_id!r} is a string but the model has no "
                                  "tokenizer.json: pass token ids")
             prompt = self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.device.type != "cpu":
+            # Reading it would wait for the device, step in flight included: a chain break.
+            raise ValueError(f"prompt_token_ids for {request_id!r} is a tensor on "
+                             f"{prompt.device}: pass it on the CPU (or as a list)")
         if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
-            prompt = prompt.tolist()  # a 1-D numpy array or tensor; its ints are checked below
+            prompt = prompt.tolist()  # a 1-D numpy array or CPU tensor; its ints are checked below
         if not isinstance(prompt, (list, tuple)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise ValueError(f"prompt_token_ids for {request_id!r} must be a list (or 1-D array) "

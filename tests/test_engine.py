@@ -47,6 +47,8 @@ def test_bad_inputs_raise_and_engine_keeps_serving():
         (("float_array", torch.tensor([1.0, 2.0]), None), "prompt_token_ids.*ints"),
         (("matrix", torch.tensor([[1, 2]]), None), "prompt_token_ids.*Tensor"),
         (("bools", torch.tensor([True, False]), None), "prompt_token_ids.*ints"),
+        # a device tensor would be read with a host sync (meta stands in for CUDA here)
+        (("device", torch.tensor([1, 2], device="meta"), None), "prompt_token_ids.*meta"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
