@@ -1,6 +1,7 @@
-"""The Triton implementations of `Ops` (CUDA): TRITON_OPS (projections on cuBLAS, the default),
-TRITON_PROJECTION_OPS (projections on kernels/linear_triton.py) and BATCH_INVARIANT_OPS (per-row
-results independent of the batch). Every function has the signature and semantics of the
+"""The Triton implementations of `Ops` (CUDA): TRITON_OPS (projections on cuBLAS),
+TRITON_PROJECTION_OPS (projections on kernels/linear_triton.py), TRITON_SINGLE_ROW_OPS (Triton
+for one-row batches, cuBLAS above: the default) and BATCH_INVARIANT_OPS (per-row results
+independent of the batch). Every function has the signature and semantics of the
 reference it replaces (kernels/attention.py, linear.py, rmsnorm.py, rope.py, sampling.py) and
 launches with grids taken from tensor shapes only, so a decode iteration built from them can be
 captured in a CUDA graph. mask_stop_tokens and logprobs stay the references (graph-safe torch
