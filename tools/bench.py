@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import LLM, SamplingParams  # noqa: E402
+from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.engine import kv_bytes_per_block  # noqa: E402
 from graphexec.model import preset  # noqa: E402
 
@@ -332,7 +333,7 @@ def main() -> None:
     ap.add_argument("--hf-kinds", nargs="*", default=["eager", "static+compile"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--projections", nargs="+", default=["auto"],
-                    choices=["cublas", "triton", "auto", "invariant"],
+                    choices=[*PROJECTIONS, "invariant"],
                     help="decode: who runs the projections (invariant: batch_invariant=True)")
     ap.add_argument("--spec-ks", nargs="+", type=int, default=[1, 2, 4],
                     help="spec: K of the overhead set-ups")

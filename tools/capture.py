@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import Engine, SamplingParams  # noqa: E402
+from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.capture.manifest import (BucketEntry, Manifest, current_versions,  # noqa: E402
                                         kernel_set)
 
@@ -63,7 +64,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tolerance", type=float, default=5e-2, help="max logprob difference")
-    ap.add_argument("--projections", default="auto", choices=["cublas", "triton", "auto"])
+    ap.add_argument("--projections", default="auto", choices=PROJECTIONS)
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--out", default="manifest.json")
     args = ap.parse_args()

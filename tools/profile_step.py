@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import LLM, SamplingParams  # noqa: E402
+from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.capture.state import Variant  # noqa: E402
 
 
@@ -105,7 +106,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--projections", nargs="+", default=["auto"], choices=["cublas", "triton", "auto"])
+    ap.add_argument("--projections", nargs="+", default=["auto"], choices=PROJECTIONS)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
