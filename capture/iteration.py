@@ -43,7 +43,7 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
     slots, seq_lens = ops.decode_metadata(state.positions[rows], state.block_tables[rows],
                                           block_size)
     attn = AttentionInputs(slot_mapping=slots, block_tables=state.block_tables[rows],
-                           seq_lens=seq_lens)
+                           seq_lens=seq_lens, rows_are_sequences=True)
     hidden = model.forward(state.input_ids[rows], state.positions[rows], attn, kv)
     logits = model.compute_logits(hidden)
     out = sample_rows(model, state, rows, logits, variant.logprobs)

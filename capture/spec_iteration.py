@@ -55,7 +55,8 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     for j in range(n_draft_forwards):
         pos = pos0 + j
         attn = AttentionInputs(slot_mapping=_slots(state, bucket, pos[:, None], block_size)[:, 0],
-                               block_tables=bt, seq_lens=(pos + 1).to(torch.int32))
+                               block_tables=bt, seq_lens=(pos + 1).to(torch.int32),
+                               rows_are_sequences=True)
         hidden = draft.model.forward(tok, pos, attn, draft.kv)
         if j == k:
             break

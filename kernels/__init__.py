@@ -29,6 +29,9 @@ class Ops:
     linear: Callable  # the projections: (x, weight, bias) -> x @ weight.T + bias
     norm_linear: Callable  # (x, residual, norm_w, eps, weight, bias) -> (proj(norm), sum)
     silu_mul_linear: Callable  # (gate_up, weight, bias) -> proj(silu(gate) * up)
+    # rope_write_kv + decode_attention in one op, for decode batches whose rows are distinct
+    # sequences; None: the model calls the two.
+    rope_decode_attention: Callable | None = None
 
 
 REFERENCE_OPS = Ops(
@@ -49,6 +52,7 @@ REFERENCE_OPS = Ops(
     linear=linear.linear_ref,
     norm_linear=linear.norm_linear_ref,
     silu_mul_linear=linear.silu_mul_linear_ref,
+    rope_decode_attention=attention.rope_decode_attention_ref,
 )
 
 

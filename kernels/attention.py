@@ -71,3 +71,18 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         o = torch.einsum("hgql,lhd->qhgd", probs, vals)
         out[s:e] = o.reshape(n_q, hq, d).to(q.dtype)
     return out
+
+
+def rope_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode step's attention as one op: rotate q and k, write k and v to their slots, attend.
+    Every row must be a different sequence (a row never reads another row's new token), which
+    lets a kernel write and read a row's new token in the same program; the speculative verify,
+    whose rows share sequences, calls the two ops instead."""
+    from .rope import rope_write_kv_ref
+
+    q = rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)

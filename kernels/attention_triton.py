@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .norm_rope_triton import rotate_pair
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly; there bf16 operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -101,15 +102,23 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+                         kn_ptr, vn_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
                          qk_scale, G, D, NUM_SPLITS,
                          sq0, sq1, skb, sks, skh, svb, svs, svh, sbt0, so0, so1,
+                         skn0, skn1, svn0, svn1, sc0,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
     The context [0, seq_len) is cut into NUM_SPLITS equal runs of whole BLOCK_N tiles, so the
     work follows the real length while the grid depends on shapes only. Scores are in log2
-    units (qk_scale includes log2(e))."""
+    units (qk_scale includes log2(e)).
+
+    ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
+    heads, and the program whose split holds the new token (position seq_len - 1) rotates k and
+    writes k and v to the row's slot before its loop reads them back. Only valid when each row
+    is its own sequence: no program reads another row's new token."""
     pdl.prologue(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -127,13 +136,40 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     gmask = g < G
     dmask = d < D
     heads = (kh * G + g).to(tl.int64)
-    q = tl.load(q_ptr + b64 * sq0 + heads[:, None] * sq1 + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    kh64 = kh.to(tl.int64)
+    if ROPE:  # the wrapper guarantees D == BLOCK_D (a power of two)
+        HALF: tl.constexpr = BLOCK_D // 2
+        dh = tl.arange(0, HALF)
+        new_pos = tl.load(pos_ptr + b).to(tl.int64)
+        cos_v = tl.load(cos_ptr + new_pos * sc0 + dh)
+        sin_v = tl.load(sin_ptr + new_pos * sc0 + dh)
+        q_src = q_ptr + b64 * sq0 + heads[:, None] * sq1 + dh[None, :]
+        x1 = tl.load(q_src, mask=gmask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(q_src + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)
+        r1, r2 = rotate_pair(x1, x2, cos_v[None, :], sin_v[None, :])
+        # [r1 | r2] along the head dim, as the separate rope kernel would have stored q
+        q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_G, BLOCK_D))
+        q = q.to(q_ptr.dtype.element_ty)
+        last = seq_len - 1
+        new_slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (last >= start) & (last < end) & (new_slot >= 0):  # a negative slot: no write
+            k_src = kn_ptr + b64 * skn0 + kh64 * skn1 + dh
+            k1, k2 = rotate_pair(tl.load(k_src).to(tl.float32),
+                                 tl.load(k_src + HALF).to(tl.float32), cos_v, sin_v)
+            # a flat slot addresses the cache directly (_cache_ok: blocks evenly strided)
+            k_dst = k_ptr + new_slot * sks + kh64 * skh + dh
+            tl.store(k_dst, k1.to(k_ptr.dtype.element_ty))
+            tl.store(k_dst + HALF, k2.to(k_ptr.dtype.element_ty))
+            v_new = tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d)
+            tl.store(v_ptr + new_slot * svs + kh64 * svh + d, v_new.to(v_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the whole program sees the new token before the loop reads it
+    else:
+        q = tl.load(q_ptr + b64 * sq0 + heads[:, None] * sq1 + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    kh64 = kh.to(tl.int64)
     bt_row = bt_ptr + b64 * sbt0
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + n
@@ -270,22 +306,54 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
 
 
+def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """rope_write_kv + decode_attention in one launch (attention.rope_decode_attention_ref):
+    saves a kernel per layer and the rotated q's round trip through memory. Each row must be a
+    different sequence."""
+    return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
+                                   rope=(k, v, positions, cos, sin, slot_mapping))
+
+
 def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            num_splits: int | None) -> torch.Tensor:
+                            num_splits: int | None, rope: tuple | None = None) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
-    shapes."""
+    shapes. rope = (k, v, positions, cos, sin, slot_mapping): q, k unrotated, and the new k, v
+    written by the kernel (rope_decode_attention)."""
     b, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
+    # fused: the cache's dtype (no conversion on write) and a power-of-two head dim (q is
+    # rotated as two halves of BLOCK_D / 2 lanes)
+    fusable = rope is None or (rope[0].dtype == k_cache.dtype and rope[1].dtype == v_cache.dtype
+                               and d >= 16 and d & (d - 1) == 0)
+    if not (_cache_ok(k_cache) and _cache_ok(v_cache) and fusable):
+        from .attention import paged_decode_attention_ref
+        if rope is not None:
+            from .norm_rope_triton import rope_write_kv
+            k, v, positions, cos, sin, slots = rope
+            q = rope_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+            rope = None
+        if not (_cache_ok(k_cache) and _cache_ok(v_cache)):
+            return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = _new((b, hq, d), q.dtype, q.device)
     if b == 0:
         return out
-    if not (_cache_ok(k_cache) and _cache_ok(v_cache)):
-        from .attention import paged_decode_attention_ref
-        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale))
-        return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if rope is None:
+        kn = vn = pos = slots = cos = sin = q  # unused
+        rope_strides = (0, 0, 0, 0, 0)
+    else:
+        kn, vn, pos, cos, sin, slots = rope
+        kn = kn if kn.stride(-1) == 1 else kn.contiguous()
+        vn = vn if vn.stride(-1) == 1 else vn.contiguous()
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rope_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0))
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
     block_d, block_n = _decode_blocks(d)
@@ -304,13 +372,14 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dependent = pdl.enabled(q, projection=False)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl,
+        kn, vn, pos, slots, cos, sin,
         float(scale) * _LOG2E, g, d, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *rope_strides,
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=ieee, PDL=dependent, num_warps=4, num_stages=3,
-        launch_pdl=dependent)
+        DIRECT=direct, IEEE=ieee, ROPE=rope is not None, PDL=dependent, num_warps=4,
+        num_stages=3, launch_pdl=dependent)
     if not direct:
         _decode_reduce_kernel[(b, hq)](
             po, pm, pl, out, d, num_splits, out.stride(0), out.stride(1),

@@ -126,6 +126,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def rotate_pair(x1, x2, c, s):
+    """Neox rotary embedding of the fp32 halves (x1, x2) of head vectors by cos c and sin s.
+    Written once: every kernel that rotates (here and the fused decode attention) then writes
+    the same bits for the same token."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
 def _rope_rotate(src_ptr, dst_ptr, src_row, s1, dst_row, d1, n_heads, c, s,
                  HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotates the n_heads heads at src_ptr + src_row (head stride s1) into dst_ptr + dst_row
@@ -138,8 +146,7 @@ def _rope_rotate(src_ptr, dst_ptr, src_row, s1, dst_row, d1, n_heads, c, s,
         src = src_ptr + src_row + hh[:, None] * s1 + cols[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        o1 = x1 * c[None, :] - x2 * s[None, :]
-        o2 = x2 * c[None, :] + x1 * s[None, :]
+        o1, o2 = rotate_pair(x1, x2, c[None, :], s[None, :])
         dst = dst_ptr + dst_row + hh[:, None] * d1 + cols[None, :]
         tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)

@@ -181,7 +181,7 @@ def _chunk_kernel(logits_ptr, stride_b, temp_ptr, topk_ptr, topp_ptr, seed_ptr, 
     u = tl.arange(0, NS)
     offs = (c * NS + u)[:, None] * SUB + tl.arange(0, SUB)[None, :]
     inb = offs < V
-    x = tl.load(logits_ptr + b64 * stride_b + offs, mask=inb, other=float("-inf"))
+    x = tl.load(logits_ptr + b64 * stride_b + offs, mask=inb, other=float("-inf")).to(tl.float32)
     t = tl.load(temp_ptr + b)
     k = tl.load(topk_ptr + b)
     p = tl.load(topp_ptr + b)
@@ -252,8 +252,15 @@ def _select_candidates(cand_s_ptr, cand_i_ptr, n_c, s0, z_all, k, p, kon, pon, k
 
 
 @triton.jit
+def _logits(row_ptr, offs, V):
+    """A row's logits at offs in fp32 (-inf past V), whatever float type they are stored in:
+    the upcast is exact, so bf16 logits sample exactly as their fp32 copy would."""
+    return tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def _row_scaled(row_ptr, offs, V, t):
-    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+    x = _logits(row_ptr, offs, V)
     return tl.math.div_rn(x, tl.zeros_like(x) + t)
 
 
@@ -281,11 +288,10 @@ def _fallback(row_ptr, V, t, k, p, kon, pon, s0, z_all, key,
         for _ in range(32 // RB):
             cands = ans | (jb << shift)  # j = 0 is ans itself
             cnt = tl.zeros([BLOCK, NB], tl.int32)
-            x = tl.load(row_ptr + ar, mask=ar < V, other=float("-inf"))
+            x = _logits(row_ptr, ar, V)
             for off in range(0, V, BLOCK):
                 offs = off + ar
-                x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < V,
-                                 other=float("-inf"))  # in flight while this block counts
+                x_next = _logits(row_ptr, offs + BLOCK, V)  # in flight while this block counts
                 kk = _ukey(x)
                 cnt += ((kk[:, None] >= cands[None, :]) & (offs < V)[:, None]).to(tl.int32)
                 x = x_next
@@ -296,10 +302,10 @@ def _fallback(row_ptr, V, t, k, p, kon, pon, s0, z_all, key,
         kth = tl.math.div_rn(kth_l, t)
         cnt_gt = tl.zeros([BLOCK], tl.int32)
         m_gt = tl.zeros([BLOCK], tl.float32)
-        x = tl.load(row_ptr + ar, mask=ar < V, other=float("-inf"))
+        x = _logits(row_ptr, ar, V)
         for off in range(0, V, BLOCK):
             offs = off + ar
-            x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < V, other=float("-inf"))
+            x_next = _logits(row_ptr, offs + BLOCK, V)
             gt = (x > kth_l) & (offs < V)
             cnt_gt += gt.to(tl.int32)
             m_gt += tl.where(gt, tl.exp(x * inv_t - s0), 0.0)
@@ -321,11 +327,10 @@ def _fallback(row_ptr, V, t, k, p, kon, pon, s0, z_all, key,
             for _ in range(32 // RB):
                 cands = ans | (jb << shift)
                 acc = tl.zeros([BLOCK, NB], tl.float32)
-                x = tl.load(row_ptr + ar, mask=ar < V, other=float("-inf"))
+                x = _logits(row_ptr, ar, V)
                 for off in range(0, V, BLOCK):
                     offs = off + ar
-                    x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < V,
-                                     other=float("-inf"))
+                    x_next = _logits(row_ptr, offs + BLOCK, V)
                     kk = _ukey(x)
                     e = tl.where(offs < V, tl.exp(x * inv_t - s0), 0.0)
                     acc += tl.where(kk[:, None] > cands[None, :], e[:, None], 0.0)
@@ -337,10 +342,10 @@ def _fallback(row_ptr, V, t, k, p, kon, pon, s0, z_all, key,
             c_key = tl.where(ans == 0xFFFFFFFF, ans, ans + 1)
             thr = tl.maximum(kth, tl.math.div_rn(_ukey_inv(c_key), t))
     best = tl.full([BLOCK], _I64_MIN, tl.int64)
-    x = tl.load(row_ptr + ar, mask=ar < V, other=float("-inf"))
+    x = _logits(row_ptr, ar, V)
     for off in range(0, V, BLOCK):
         offs = off + ar
-        x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < V, other=float("-inf"))
+        x_next = _logits(row_ptr, offs + BLOCK, V)
         s = tl.math.div_rn(x, tl.zeros_like(x) + t)
         x = x_next
         keep = (s >= thr) & (offs < V)
@@ -469,7 +474,7 @@ def sample_impl(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     out = _new((b,), torch.int64, logits.device)
     if b == 0:
         return out
-    if logits.dtype != torch.float32:
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -61,6 +61,7 @@ TRITON_OPS = Ops(
     linear=linear_ref,  # cuBLAS
     norm_linear=linear_triton.norm_then_linear,
     silu_mul_linear=linear_triton.silu_mul_then_linear,
+    rope_decode_attention=attention_triton.rope_decode_attention,
 )
 
 # The same with the projections on Triton (EngineConfig.projections="triton").
@@ -84,4 +85,7 @@ BATCH_INVARIANT_OPS = replace(TRITON_OPS, name="triton-batch-invariant",
                               norm_linear=linear_triton.norm_linear_invariant,
                               silu_mul_linear=linear_triton.silu_mul_linear_invariant,
                               decode_attention=attention_triton.decode_attention_invariant,
-                              prefill_attention=attention_triton.prefill_attention_invariant)
+                              prefill_attention=attention_triton.prefill_attention_invariant,
+                              # the separate rope_write_kv: prefill writes KV with it, and a
+                              # recompute must rebuild those bits exactly
+                              rope_decode_attention=None)

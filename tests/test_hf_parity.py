@@ -38,7 +38,7 @@ def _graphexec_prefill_logits(path, device, dtype, prompts, block_size=4, projec
     attn = AttentionInputs(slot_mapping=t(slots), block_tables=t(tables).int(),
                            seq_lens=t([len(p) for p in prompts]).int(), cu_seqlens_q=t(cu).int())
     hidden = model.forward(t(ids), t(pos), attn, kv)
-    logits = model.compute_logits(hidden)
+    logits = model.compute_logits(hidden).float()
     return [logits[cu[i]:cu[i + 1]] for i in range(len(prompts))]
 
 

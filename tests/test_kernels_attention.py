@@ -1,10 +1,12 @@
 """KV write, paged decode attention and varlen prefill attention against their references."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kernel_helpers import (
     DEV, DTYPES, INTERPRET, _check, _gen, _lengths, _paged_cache, _randn, _tol, attn_ref, big,
-    kernel_test)
+    kernel_test, rope_ref)
 
 
 # write_kv
@@ -118,6 +120,116 @@ def test_decode_attention_invariant_rows_do_not_depend_on_batch(K, dtype):
         one = K.at.decode_attention_invariant(q[i:i + 1], kc, vc, tables[i:i + 1],
                                               sl[i:i + 1], 0.125)
         assert torch.equal(one, full[i:i + 1]), i
+
+
+def _rope_decode_inputs(dtype, b, ctx, hq, hk, d, bs, seed, no_write_row=None):
+    """Raw (unrotated) q, k, v as views of one packed qkv tensor, as the model passes them; a
+    paged cache whose slot for each row's new token (position len - 1) holds NaN in the
+    poisoned copy, so a missing write shows; and the reference's result and caches."""
+    from graphexec.kernels.rope import rope_cos_sin
+
+    lens = _lengths(b, ctx, bs, seed)
+    kc, vc, kbad, vbad, tables = _paged_cache(lens, hk, d, bs, dtype, seed + 1)
+    qkv = _randn((b, (hq + 2 * hk) * d), dtype, seed + 2)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(b, hq, d), k.view(b, hk, d), v.view(b, hk, d)
+    pos = torch.tensor([n - 1 for n in lens], device=DEV)
+    slots = torch.stack([tables[i, (n - 1) // bs].long() * bs + (n - 1) % bs
+                         for i, n in enumerate(lens)])
+    for i in range(b):
+        if i != no_write_row:
+            blk, off = divmod(int(slots[i]), bs)
+            kbad[blk, off] = float("nan")
+            vbad[blk, off] = float("nan")
+    cos, sin = rope_cos_sin(ctx + 8, d, 10000.0, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kref, vref = kc.clone(), vc.clone()
+    write = [i for i in range(b) if i != no_write_row]
+    q_rot = rope_ref.rope_write_kv_ref(q[write], k[write], v[write], pos[write], cos, sin,
+                                       kref, vref, slots[write])
+    q_all = rope_ref.apply_rope_ref(q, k, pos, cos, sin)[0]
+    q_all[write] = q_rot
+    ref = attn_ref.paged_decode_attention_ref(q_all, kref, vref, tables, seq_lens, d ** -0.5)
+    if no_write_row is not None:
+        slots[no_write_row] = -1
+    return SimpleNamespace(q=q, k=k, v=v, pos=pos, cos=cos, sin=sin, kbad=kbad, vbad=vbad,
+                           slots=slots, tables=tables, seq_lens=seq_lens, scale=d ** -0.5,
+                           ref=ref, kref=kref, vref=vref)
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,ctx,hq,hk,d,bs,splits", DECODE_CASES)
+def test_rope_decode_attention(K, dtype, b, ctx, hq, hk, d, bs, splits):
+    """Rope + KV write + attention in one kernel against the three references: the output,
+    the new token's K and V in their slots (NaN there before), every other slot untouched."""
+    x = _rope_decode_inputs(dtype, b, ctx, hq, hk, d, bs, 40 + b)
+    out = K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale,
+                                       splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
+    _check(out, x.ref, dtype, "attention")
+    for got, want in ((x.kbad, x.kref), (x.vbad, x.vref)):
+        written = got.flatten(0, 1)[x.slots]
+        assert not torch.isnan(written).any(), "a row's new K/V was not written"
+        torch.testing.assert_close(written.float(), want.flatten(0, 1)[x.slots].float(),
+                                   **_tol(dtype))
+        untouched = torch.ones(got.shape[0] * got.shape[1], dtype=torch.bool, device=DEV)
+        untouched[x.slots] = False
+        assert torch.equal(got.flatten(0, 1)[untouched].nan_to_num(0.0),
+                           want.flatten(0, 1)[untouched]), "a write outside the rows' slots"
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_rope_decode_attention_negative_slot_writes_nothing(K):
+    """A row whose slot is -1 (no write, as in write_kv) attends to the cache as it is."""
+    dtype = torch.bfloat16
+    x = _rope_decode_inputs(dtype, 4, 70, 8, 2, 64, 16, 50, no_write_row=2)
+    before_k, before_v = x.kbad.clone(), x.vbad.clone()
+    out = K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale, 3,
+                                       rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
+    _check(out, x.ref, dtype, "attention")
+    for got, before in ((x.kbad, before_k), (x.vbad, before_v)):
+        changed = ~((got == before) | (got.isnan() & before.isnan())).flatten(0, 1).all(-1).all(-1)
+        expect = torch.zeros_like(changed)
+        expect[x.slots[[0, 1, 3]]] = True
+        assert torch.equal(changed, expect), "writes outside the rows' own slots"
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_rope_decode_attention_falls_back_for_other_head_dims(K):
+    """A head dim that is not a power of two (q is rotated in two power-of-two halves) takes
+    the separate rope_write_kv + decode attention, with the same result."""
+    dtype = torch.bfloat16
+    x = _rope_decode_inputs(dtype, 3, 40, 4, 2, 48, 16, 70)
+    out = K.ops.rope_decode_attention(x.q, x.k, x.v, x.pos, x.cos, x.sin, x.kbad, x.vbad,
+                                      x.slots, x.tables, x.seq_lens, x.scale)
+    _check(out, x.ref, dtype, "attention")
+    written = x.kbad.flatten(0, 1)[x.slots]
+    torch.testing.assert_close(written.float(), x.kref.flatten(0, 1)[x.slots].float(),
+                               **_tol(dtype))
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_rope_decode_attention_writes_the_same_cache_bits_as_separate_kernels(K, splits):
+    """The fused kernel writes bitwise the K and V that the separate Triton rope_write_kv
+    writes (so prefill, which uses rope_write_kv, and decode agree on every cached key), and
+    its output matches the separate rope + decode attention within the attention tolerance
+    (on the H100 not bit for bit: q reaches the dot from registers instead of memory)."""
+    b, ctx = big((33, 700), (3, 40))
+    x = _rope_decode_inputs(torch.bfloat16, b, ctx, 32, 8, 64, 16, 60)
+    k2, v2 = x.kbad.clone(), x.vbad.clone()
+    fused = K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale,
+                                         splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
+    q_rot = K.nr.rope_write_kv(x.q, x.k, x.v, x.pos, x.cos, x.sin, k2, v2, x.slots)
+    separate = K.at.decode_attention_splits(q_rot, k2, v2, x.tables, x.seq_lens, x.scale,
+                                            splits)
+    assert torch.equal(x.kbad.nan_to_num(0.0), k2.nan_to_num(0.0))
+    assert torch.equal(x.vbad.nan_to_num(0.0), v2.nan_to_num(0.0))
+    _check(fused, separate, torch.bfloat16, "attention")
 
 
 # ----------------------------------------------------------------------------------------------

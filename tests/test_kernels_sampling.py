@@ -32,9 +32,11 @@ def test_sample_matches_reference(K, b, v):
      (128256, dict()),
      (40000, dict(chunk=1024, sub=256, top_r=1, cap=512, small_cap=128, fb_block=512))],
     [(1200, dict(chunk=128, sub=32, top_r=1, cap=128, small_cap=32, scan=16, fb_block=128))]))
-def test_sample_every_path(K, v, knobs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_every_path(K, v, knobs, dtype):
     """Shrunk knobs send rows down every path: greedy, unfiltered, the two candidate sorts and
-    the exact fallback; all must give the reference's token."""
+    the exact fallback; all must give the reference's token. bf16: the logits the model now
+    hands over, read by every path of the kernel and upcast exactly."""
     st = K.st
     chunk, sub = knobs.get("chunk", st.CHUNK), knobs.get("sub", st.SUB)
     top_r = knobs.get("top_r", st.TOP_R)
@@ -45,6 +47,7 @@ def test_sample_every_path(K, v, knobs):
                             (1.0, 100, 0.99, 3.0)]
     b = len(modes) + big(len(modes), 0)
     args = _sample_inputs(b, v, 50, modes=modes)
+    args = (args[0].to(dtype),) + args[1:]
     path = torch.full((b,), -1, dtype=torch.int32, device=DEV)
     out = K.st.sample_impl(*args, path=path, **knobs)
     ref = samp_ref.sample_ref(*args)

@@ -182,6 +182,9 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4)
+    decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
+                            d ** -0.5, 4, rope=(k, v, torch.arange(t), cos, sin,
+                                                torch.arange(t)))
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
                 "_decode_split_kernel", "_decode_reduce_kernel"}
@@ -219,6 +222,9 @@ def test_model_kernels_compile(compiled):
     lens = torch.full((t,), 100, dtype=torch.int32)
     qd = _bf16(t, hq, d)
     ops.decode_attention(qd, kc, vc, tables, lens, d ** -0.5)
+    ops.rope_decode_attention(q, k, v, pos, cos, sin, kc, vc, slots, tables, lens, d ** -0.5)
+    decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 1,
+                            rope=(k, v, pos, cos, sin, slots))
     decode_attention_splits(qd, kc, vc, tables, lens, d ** -0.5, 1)
     decode_attention_invariant(qd, kc, vc, tables, lens, d ** -0.5)
     cu = torch.tensor([0, 2, t], dtype=torch.int32)
@@ -227,9 +233,10 @@ def test_model_kernels_compile(compiled):
     prefill_attention_invariant(qd, kc, vc, cu, torch.tensor([50, 4], dtype=torch.int32),
                                 tables[:2], d ** -0.5)
     b, vocab = 4, 128256
-    ops.sample(torch.randn(b, vocab), torch.tensor([0.0, 0.7, 1.0, 0.9]),
-               torch.tensor([0, 50, 0, 5]), torch.tensor([1.0, 0.9, 0.8, 1.0]),
-               torch.arange(b), torch.arange(b))
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the logits the model returns
+        ops.sample(torch.randn(b, vocab).to(dtype), torch.tensor([0.0, 0.7, 1.0, 0.9]),
+                   torch.tensor([0, 50, 0, 5]), torch.tensor([1.0, 0.9, 0.8, 1.0]),
+                   torch.arange(b), torch.arange(b))
     ops.decode_metadata(torch.arange(b), tables[:b], bs)
     ops.advance(torch.arange(b), torch.arange(b), torch.arange(b), torch.arange(b),
                 torch.tensor([b]))
@@ -239,5 +246,9 @@ def test_model_kernels_compile(compiled):
                 "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel"}
     assert expected <= names, expected - names
     for name, kernel in compiled:  # bf16 tensors are read with vector or async loads; a
-        # broadcast vector (a norm weight spread one element per thread) may load as scalars
-        assert _weight_loads(kernel)[1] <= 2, name
+        # broadcast vector (a norm weight spread one element per thread) may load as scalars,
+        # and so may the fused decode attention's new token (one head of k in two halves and
+        # of v: 3 scalar loads of a few hundred bytes per row, next to the KV stream)
+        consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
+        allowed = 2 + (3 if consts.get("ROPE") else 0)
+        assert _weight_loads(kernel)[1] <= allowed, (name, _weight_loads(kernel))

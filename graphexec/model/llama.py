@@ -46,6 +46,10 @@ class AttentionInputs:
     block_tables: torch.Tensor  # [rows, max_blocks]
     seq_lens: torch.Tensor  # [rows] keys each row attends to (new tokens included)
     cu_seqlens_q: torch.Tensor | None = None  # [rows + 1], prefill only
+    # Decode only: every row is a different sequence, so no row attends to another row's new
+    # token and rope, the KV write and attention may run as one kernel. False for the
+    # speculative verify, whose K + 1 rows per sequence read each other's new tokens.
+    rows_are_sequences: bool = False
 
 
 @dataclass
@@ -91,7 +95,10 @@ class LlamaModel:
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.weights.lm_head).float()
+        """[T, vocab] in the model's dtype. Every consumer (sampling, logprobs, rejection)
+        upcasts as it reads, which is exact; a separate fp32 copy cost a full extra pass over
+        the logits each step (24 us at batch 64 on llama-1b)."""
+        return self.ops.linear(hidden, self.weights.lm_head)
 
     def _attention(self, qkv, positions, attn: AttentionInputs, layer: LayerWeights,
                    k_cache, v_cache) -> torch.Tensor:
@@ -104,6 +111,12 @@ class LlamaModel:
         if cfg.qk_norm:
             q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        if (attn.cu_seqlens_q is None and attn.rows_are_sequences
+                and ops.rope_decode_attention is not None):
+            o = ops.rope_decode_attention(q, k, v, positions, self.cos, self.sin, k_cache,
+                                          v_cache, attn.slot_mapping, attn.block_tables,
+                                          attn.seq_lens, self.scale)
+            return ops.linear(o.reshape(t, cfg.q_size), layer.o)
         q = ops.rope_write_kv(q, k, v, positions, self.cos, self.sin, k_cache, v_cache,
                               attn.slot_mapping)
         if attn.cu_seqlens_q is None:
