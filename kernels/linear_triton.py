@@ -200,12 +200,15 @@ def pick_config(m: int, n: int, k: int) -> LinearConfig:
     docs/benchmarks.md, 2026-11-23): the fastest candidate per row count, rounded to one rule.
 
     M = 1: many small CUDA-core programs (4 columns each, 1024+ programs for every Llama shape),
-    512-wide K steps, 1024 for the long K of the down projection; no split. M > 1: tensor-core
+    2048-wide K steps (all of llama-1b's 2048-wide inputs in one: under programmatic dependent
+    launch a program fetches its whole weight slice before waiting for the previous kernel;
+    llama-1b batch 1 decode step 1.148 -> 1.111 ms against 512-wide steps, where 512 had been
+    the best without PDL), 1024 for the long K of the down projection; no split. M > 1: tensor-core
     tiles with 4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
     split only when it is longer than N (the down projection), where few output tiles each walk
     a long reduction; elsewhere the partial-sum kernel cost more than the programs it added."""
     if m == 1:
-        return LinearConfig(1, 4, 1024 if k >= 8192 else 512)
+        return LinearConfig(1, 4, 1024 if k >= 8192 else 2048)
     block_m = 16 if m <= 16 else 64
     wide = n >= 16384
     block_n = 64 if wide else (32 if n >= 3072 or block_m == 64 else 16)

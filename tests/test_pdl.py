@@ -15,6 +15,11 @@ def test_mode_from_env(monkeypatch, value, mode):
     assert pdl.mode_from_env() == mode
 
 
+def test_default_is_all(monkeypatch):
+    monkeypatch.delenv("GRAPHEXEC_PDL", raising=False)
+    assert pdl.mode_from_env() == "all"
+
+
 def test_bad_mode_names_the_variable(monkeypatch):
     monkeypatch.setenv("GRAPHEXEC_PDL", "sometimes")
     with pytest.raises(ValueError, match="GRAPHEXEC_PDL='sometimes'"):

@@ -1,0 +1,72 @@
+"""Decode step time at batch 1 under different one-row projection configs, each run in its own
+process (configs change compiled kernels, and PDL overlap only shows inside a real decode step,
+which tools/tune_linear.py, timing projections one at a time, cannot see).
+
+`python tools/decode_m1_configs.py VARIANT [--model llama-1b] [--batch 1]`
+
+Variants (kernels/linear_triton.py, M = 1 only; other row counts keep pick_config):
+  shipped   pick_config / pick_norm_config as they are
+  k512      4 columns x 512-wide K steps (1024 for K >= 8192), fused norm 8 x 1024: the rule
+            before 2048-wide steps
+  k2048w8   4 x 2048 everywhere (down included), fused norm 4 x 2048, 8 warps
+Prints one JSON line: decode step ms, GPU busy ms, roofline fraction, idle fraction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import bench_graphexec, copy_bandwidth  # noqa: E402
+from graphexec.kernels import linear_triton as lt  # noqa: E402
+
+
+def _one_row_rule(block_k: int, long_block_k: int, warps: int, norm_cols: int,
+                  norm_block_k: int):
+    shipped, shipped_norm = lt.pick_config, lt.pick_norm_config
+
+    def pick(m, n, k):
+        if m != 1:
+            return shipped(m, n, k)
+        return lt.LinearConfig(1, 4, long_block_k if k >= 8192 else block_k, num_warps=warps)
+
+    def pick_norm(m, n, k):
+        if m != 1:
+            return shipped_norm(m, n, k)
+        return lt.LinearConfig(1, norm_cols, norm_block_k, num_warps=warps)
+    return pick, pick_norm
+
+
+VARIANTS = {
+    "shipped": None,
+    "k512": lambda: _one_row_rule(512, 1024, 4, 8, 1024),
+    "k2048w8": lambda: _one_row_rule(2048, 2048, 8, 4, 2048),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variant", choices=list(VARIANTS))
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--projections", default="auto")
+    args = ap.parse_args()
+    if VARIANTS[args.variant] is not None:
+        lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()
+    res, llm = bench_graphexec(args.model, "async+graphs", args.batch, 128, 128,
+                               copy_bandwidth(), args.batch, projections=args.projections)
+    llm.close()
+    print(json.dumps(dict(variant=args.variant, model=args.model, batch=args.batch,
+                          projections=args.projections,
+                          decode_step_ms=round(res["decode_step_ms"], 4),
+                          gpu_busy_ms=round(res["gpu_busy_ms"], 4),
+                          roofline_frac=round(res["roofline_frac"], 3),
+                          gpu_idle_frac=round(res["gpu_idle_frac"], 4),
+                          tokens_per_s=round(res["tokens_per_s"]))))
+
+
+if __name__ == "__main__":
+    main()
