@@ -9,6 +9,9 @@ Variants (kernels/linear_triton.py, M = 1 only; other row counts keep pick_confi
   k512      4 columns x 512-wide K steps (1024 for K >= 8192), fused norm 8 x 1024: the rule
             before 2048-wide steps
   k2048w8   4 x 2048 everywhere (down included), fused norm 4 x 2048, 8 warps
+  down2048  shipped, but the down projection (K = 8192) also 2048 wide (4 warps)
+  norm2048  shipped, but the fused-norm projections 8 x 2048 (4 warps)
+  norm4x2048  shipped, but the fused-norm projections 4 x 2048 (4 warps)
 Prints one JSON line: decode step ms, GPU busy ms, roofline fraction, idle fraction.
 """
 from __future__ import annotations
@@ -44,6 +47,9 @@ VARIANTS = {
     "shipped": None,
     "k512": lambda: _one_row_rule(512, 1024, 4, 8, 1024),
     "k2048w8": lambda: _one_row_rule(2048, 2048, 8, 4, 2048),
+    "down2048": lambda: _one_row_rule(2048, 2048, 4, 8, 1024),
+    "norm2048": lambda: _one_row_rule(2048, 1024, 4, 8, 2048),
+    "norm4x2048": lambda: _one_row_rule(2048, 1024, 4, 4, 2048),
 }
 
 
