@@ -116,9 +116,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     units (qk_scale includes log2(e)).
 
     ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
-    heads, and the program whose split holds the new token (position seq_len - 1) rotates k and
-    writes k and v to the row's slot before its loop reads them back. Only valid when each row
-    is its own sequence: no program reads another row's new token."""
+    heads, and the program whose split holds the new token's position rotates k and writes k
+    and v to the row's slot before its loop reads them back (split 0 writes a token at or past
+    seq_len, which nobody reads). Contract (rope_decode_attention): each row is its own
+    sequence and its slot lies in its own blocks, so no program reads another row's new token.
+    Padding rows are the exception that does no harm: they all write identical K/V into the
+    one scratch slot and read it back, and their outputs are discarded."""
     pdl.prologue(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -150,9 +153,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
         # [r1 | r2] along the head dim, as the separate rope kernel would have stored q
         q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_G, BLOCK_D))
         q = q.to(q_ptr.dtype.element_ty)
-        last = seq_len - 1
         new_slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (last >= start) & (last < end) & (new_slot >= 0):  # a negative slot: no write
+        owner = ((new_pos >= start) & (new_pos < end)) | ((new_pos >= seq_len) & (sp == 0))
+        if owner & (new_slot >= 0):  # a negative slot: no write
             k_src = kn_ptr + b64 * skn0 + kh64 * skn1 + dh
             k1, k2 = rotate_pair(tl.load(k_src).to(tl.float32),
                                  tl.load(k_src + HALF).to(tl.float32), cos_v, sin_v)
@@ -313,7 +316,9 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """rope_write_kv + decode_attention in one launch (attention.rope_decode_attention_ref):
     saves a kernel per layer and the rotated q's round trip through memory. Each row must be a
-    different sequence."""
+    different sequence whose slot lies in its own blocks (the decode step's rows: position
+    seq_len - 1, slot from the row's block table); rows that read each other's new tokens
+    (the speculative verify) must call rope_write_kv and decode_attention instead."""
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
                                    rope=(k, v, positions, cos, sin, slot_mapping))
 

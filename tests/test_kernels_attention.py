@@ -122,20 +122,29 @@ def test_decode_attention_invariant_rows_do_not_depend_on_batch(K, dtype):
         assert torch.equal(one, full[i:i + 1]), i
 
 
-def _rope_decode_inputs(dtype, b, ctx, hq, hk, d, bs, seed, no_write_row=None):
+def _rope_decode_inputs(dtype, b, ctx, hq, hk, d, bs, seed, no_write_row=None, offsets=None,
+                        guard=False):
     """Raw (unrotated) q, k, v as views of one packed qkv tensor, as the model passes them; a
-    paged cache whose slot for each row's new token (position len - 1) holds NaN in the
-    poisoned copy, so a missing write shows; and the reference's result and caches."""
+    paged cache whose slot for each row's new token holds NaN in the poisoned copy, so a
+    missing write shows; and the reference's result and caches. The new token sits at
+    position len - 1 + offsets[i] (0 by default: a decode step; negative: inside the context,
+    positive: past it, unread), in the slot the row's block table gives that position.
+    guard: the poisoned caches are views behind a guard block of 7s (cache[-1] is the guard),
+    so a write to a negative slot shows."""
     from graphexec.kernels.rope import rope_cos_sin
 
     lens = _lengths(b, ctx, bs, seed)
     kc, vc, kbad, vbad, tables = _paged_cache(lens, hk, d, bs, dtype, seed + 1)
+    if guard:
+        wall = torch.full((1,) + tuple(kbad.shape[1:]), 7.0, dtype=dtype, device=DEV)
+        kbad, vbad = torch.cat([wall, kbad])[1:], torch.cat([wall, vbad])[1:]
     qkv = _randn((b, (hq + 2 * hk) * d), dtype, seed + 2)
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     q, k, v = q.view(b, hq, d), k.view(b, hk, d), v.view(b, hk, d)
-    pos = torch.tensor([n - 1 for n in lens], device=DEV)
-    slots = torch.stack([tables[i, (n - 1) // bs].long() * bs + (n - 1) % bs
-                         for i, n in enumerate(lens)])
+    offsets = offsets or [0] * b
+    pos = torch.tensor([n - 1 + o for n, o in zip(lens, offsets)], device=DEV)
+    slots = torch.stack([tables[i, p // bs].long() * bs + p % bs
+                         for i, p in enumerate(pos.tolist())])
     for i in range(b):
         if i != no_write_row:
             blk, off = divmod(int(slots[i]), bs)
@@ -157,6 +166,25 @@ def _rope_decode_inputs(dtype, b, ctx, hq, hk, d, bs, seed, no_write_row=None):
                            ref=ref, kref=kref, vref=vref)
 
 
+def _check_cache_writes(x, dtype, slots):
+    """The rows' new K/V landed in `slots` (no NaN left, the reference's values) and every
+    other slot kept its bits."""
+    for got, want in ((x.kbad, x.kref), (x.vbad, x.vref)):
+        written = got.flatten(0, 1)[slots]
+        assert not torch.isnan(written).any(), "a row's new K/V was not written"
+        torch.testing.assert_close(written.float(), want.flatten(0, 1)[slots].float(),
+                                   **_tol(dtype))
+        untouched = torch.ones(got.shape[0] * got.shape[1], dtype=torch.bool, device=DEV)
+        untouched[slots] = False
+        assert torch.equal(got.flatten(0, 1)[untouched].nan_to_num(0.0),
+                           want.flatten(0, 1)[untouched]), "a write outside the rows' slots"
+
+
+def _fused(K, x, splits=None):
+    return K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale,
+                                        splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
+
+
 @kernel_test
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,71 +193,100 @@ def test_rope_decode_attention(K, dtype, b, ctx, hq, hk, d, bs, splits):
     """Rope + KV write + attention in one kernel against the three references: the output,
     the new token's K and V in their slots (NaN there before), every other slot untouched."""
     x = _rope_decode_inputs(dtype, b, ctx, hq, hk, d, bs, 40 + b)
-    out = K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale,
-                                       splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
-    _check(out, x.ref, dtype, "attention")
-    for got, want in ((x.kbad, x.kref), (x.vbad, x.vref)):
-        written = got.flatten(0, 1)[x.slots]
-        assert not torch.isnan(written).any(), "a row's new K/V was not written"
-        torch.testing.assert_close(written.float(), want.flatten(0, 1)[x.slots].float(),
-                                   **_tol(dtype))
-        untouched = torch.ones(got.shape[0] * got.shape[1], dtype=torch.bool, device=DEV)
-        untouched[x.slots] = False
-        assert torch.equal(got.flatten(0, 1)[untouched].nan_to_num(0.0),
-                           want.flatten(0, 1)[untouched]), "a write outside the rows' slots"
+    _check(_fused(K, x, splits), x.ref, dtype, "attention")
+    _check_cache_writes(x, dtype, x.slots)
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_rope_decode_attention_new_token_anywhere(K, splits):
+    """The program whose split holds the new token's position writes it, wherever it is: the
+    last position (a decode step), inside the context (read by an earlier split), or past it
+    (written, read by nobody)."""
+    dtype = torch.float16
+    # lengths (_lengths): 1, 200, 16, 17, 31, 199
+    x = _rope_decode_inputs(dtype, 6, 200, 8, 2, 64, 16, 80, offsets=[0, -150, -10, 1, -1, 0])
+    assert x.pos.tolist() == [0, 49, 5, 17, 29, 198]
+    _check(_fused(K, x, splits), x.ref, dtype, "attention")
+    _check_cache_writes(x, dtype, x.slots)
 
 
 @kernel_test
 @pytest.mark.gpu
 def test_rope_decode_attention_negative_slot_writes_nothing(K):
-    """A row whose slot is -1 (no write, as in write_kv) attends to the cache as it is."""
+    """A row whose slot is -1 (no write, as in write_kv) attends to the cache as it is; the
+    guard block in front of the cache proves slot -1 was not written either."""
     dtype = torch.bfloat16
-    x = _rope_decode_inputs(dtype, 4, 70, 8, 2, 64, 16, 50, no_write_row=2)
+    x = _rope_decode_inputs(dtype, 4, 70, 8, 2, 64, 16, 50, no_write_row=2, guard=True)
     before_k, before_v = x.kbad.clone(), x.vbad.clone()
-    out = K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale, 3,
-                                       rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
-    _check(out, x.ref, dtype, "attention")
+    _check(_fused(K, x, 3), x.ref, dtype, "attention")
+    live = x.slots[[0, 1, 3]]
     for got, before in ((x.kbad, before_k), (x.vbad, before_v)):
         changed = ~((got == before) | (got.isnan() & before.isnan())).flatten(0, 1).all(-1).all(-1)
         expect = torch.zeros_like(changed)
-        expect[x.slots[[0, 1, 3]]] = True
+        expect[live] = True
         assert torch.equal(changed, expect), "writes outside the rows' own slots"
+        guard = got.as_strided((got.shape[1],) + tuple(got.shape[2:]),
+                               got.stride()[1:], got.storage_offset() - got.stride(0))
+        assert torch.equal(guard, torch.full_like(guard, 7.0)), "slot -1 was written"
 
 
 @kernel_test
 @pytest.mark.gpu
-def test_rope_decode_attention_falls_back_for_other_head_dims(K):
-    """A head dim that is not a power of two (q is rotated in two power-of-two halves) takes
-    the separate rope_write_kv + decode attention, with the same result."""
+@pytest.mark.parametrize("case", ["head_dim_48", "fp32_k_into_bf16_cache"])
+def test_rope_decode_attention_falls_back(K, case):
+    """What the fused kernel does not take (a head dim that is not a power of two, K/V of
+    another dtype than the cache) goes through the separate kernels, with the same result."""
     dtype = torch.bfloat16
-    x = _rope_decode_inputs(dtype, 3, 40, 4, 2, 48, 16, 70)
-    out = K.ops.rope_decode_attention(x.q, x.k, x.v, x.pos, x.cos, x.sin, x.kbad, x.vbad,
+    d = 48 if case == "head_dim_48" else 64
+    x = _rope_decode_inputs(dtype, 3, 40, 4, 2, d, 16, 70)
+    k, v = x.k, x.v
+    if case == "fp32_k_into_bf16_cache":
+        k, v = k.float(), v.float()
+    out = K.ops.rope_decode_attention(x.q, k, v, x.pos, x.cos, x.sin, x.kbad, x.vbad,
                                       x.slots, x.tables, x.seq_lens, x.scale)
     _check(out, x.ref, dtype, "attention")
-    written = x.kbad.flatten(0, 1)[x.slots]
-    torch.testing.assert_close(written.float(), x.kref.flatten(0, 1)[x.slots].float(),
-                               **_tol(dtype))
+    _check_cache_writes(x, dtype, x.slots)
 
 
 @kernel_test
 @pytest.mark.gpu
+def test_decode_attention_on_a_cache_of_uneven_block_strides_uses_the_reference(K):
+    """A cache whose slots are not one flat run (blocks not evenly strided) cannot be addressed
+    by flat slot; decode attention then returns the reference's result."""
+    dtype = torch.bfloat16
+    lens = [5, 40, 17]
+    kc, vc, _, _, tables = _paged_cache(lens, 2, 64, 16, dtype, 90)
+    q = _randn((3, 4, 64), dtype, 91)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ks, vs = (c.transpose(0, 1).contiguous().transpose(0, 1) for c in (kc, vc))
+    assert not K.at._cache_ok(ks)
+    _check(K.ops.decode_attention(q, ks, vs, tables, sl, 0.125),
+           attn_ref.paged_decode_attention_ref(q, kc, vc, tables, sl, 0.125), dtype, "attention")
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_rope_decode_attention_writes_the_same_cache_bits_as_separate_kernels(K, splits):
+def test_rope_decode_attention_writes_the_same_cache_bits_as_separate_kernels(K, dtype, d,
+                                                                              splits):
     """The fused kernel writes bitwise the K and V that the separate Triton rope_write_kv
     writes (so prefill, which uses rope_write_kv, and decode agree on every cached key), and
     its output matches the separate rope + decode attention within the attention tolerance
     (on the H100 not bit for bit: q reaches the dot from registers instead of memory)."""
     b, ctx = big((33, 700), (3, 40))
-    x = _rope_decode_inputs(torch.bfloat16, b, ctx, 32, 8, 64, 16, 60)
+    x = _rope_decode_inputs(dtype, b, ctx, 32, 8, d, 16, 60)
     k2, v2 = x.kbad.clone(), x.vbad.clone()
-    fused = K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale,
-                                         splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
+    fused = _fused(K, x, splits)
     q_rot = K.nr.rope_write_kv(x.q, x.k, x.v, x.pos, x.cos, x.sin, k2, v2, x.slots)
     separate = K.at.decode_attention_splits(q_rot, k2, v2, x.tables, x.seq_lens, x.scale,
                                             splits)
     assert torch.equal(x.kbad.nan_to_num(0.0), k2.nan_to_num(0.0))
     assert torch.equal(x.vbad.nan_to_num(0.0), v2.nan_to_num(0.0))
-    _check(fused, separate, torch.bfloat16, "attention")
+    _check(fused, separate, dtype, "attention")
 
 
 # ----------------------------------------------------------------------------------------------

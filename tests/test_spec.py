@@ -196,3 +196,36 @@ def test_all_greedy_fast_path_matches_the_general_path():
         assert (a.num_drafted_tokens, a.num_accepted_tokens) == \
             (m.num_drafted_tokens, m.num_accepted_tokens)
     assert 0 < sum(o.num_accepted_tokens for o in alone) < sum(o.num_drafted_tokens for o in alone)
+
+
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("self:1", 3)])
+def test_fused_decode_attention_only_sees_distinct_sequences(monkeypatch, speculative):
+    """ops.rope_decode_attention (rope, KV write and attention in one kernel) is valid only when
+    every row is its own sequence with its new token at position seq_len - 1: plain decode and
+    the draft steps call it; the verify, whose K + 1 rows share a sequence, must not."""
+    from dataclasses import replace
+
+    from graphexec import kernels
+
+    fused = kernels.REFERENCE_OPS.rope_decode_attention
+    calls = []
+
+    def checked(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tables, seq_lens,
+                scale):
+        calls.append(q.shape[0])
+        assert torch.equal(positions + 1, seq_lens.long())
+        live = tables[:, 0] != scratch  # padding rows: every column on the scratch block
+        firsts = tables[live, 0].tolist()
+        assert len(set(firsts)) == len(firsts), "two rows of one sequence"
+        return fused(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tables, seq_lens,
+                     scale)
+
+    monkeypatch.setattr(kernels, "REFERENCE_OPS",
+                        replace(kernels.REFERENCE_OPS, rope_decode_attention=checked))
+    llm = LLM("tiny", max_batch=8, speculative=speculative)
+    scratch = llm.engine.runner.state.scratch_block
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert calls, "decode never used the fused op"
+    if speculative is not None:
+        assert sum(o.num_accepted_tokens for o in outs) > 0
+

@@ -195,6 +195,39 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
             assert not re.search(r"ld\.global|cp\.async", _before_wait(kernel.asm["ptx"])), name
 
 
+def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled):
+    """rope_decode_attention: the program that owns a row's new token stores its K/V and then
+    reads the cache in its loop. A CTA barrier between the two makes the stores visible to every
+    thread of the program (generic-proxy loads: plain or cp.async); a TMA load (cp.async.bulk)
+    would also need a proxy fence, so none may appear. If Triton stops streaming the loop with
+    cp.async this test fails and the check must be rewritten for the new loads."""
+    from graphexec.kernels import rope
+    from graphexec.kernels.attention_triton import decode_attention_splits
+
+    t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
+    qkv = _bf16(t, (hq + 2 * hk) * d)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    cos, sin = rope.rope_cos_sin(4096, d, 500000.0)
+    tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
+    for splits in (1, 4):
+        decode_attention_splits(q, _bf16(nb, bs, hk, d), _bf16(nb, bs, hk, d), tables,
+                                torch.full((t,), 100, dtype=torch.int32), d ** -0.5, splits,
+                                rope=(k, v, torch.arange(t), cos, sin, torch.arange(t)))
+    kernels = [kern for name, kern in compiled if name == "_decode_split_kernel"]
+    assert len(kernels) == 2
+    for kernel in kernels:
+        ptx = kernel.asm["ptx"]
+        assert "cp.async.bulk" not in ptx
+        first_store = ptx.index("st.global")
+        barrier = re.compile(r"bar\.sync|barrier\.sync").search(ptx, first_store)
+        assert barrier is not None, "no barrier after the new token's stores"
+        # the KV loop streams tiles with cp.async; the plain loads before the barrier are the
+        # row's inputs (q, cos, sin, the new v), which no program of this kernel writes
+        assert "cp.async" not in ptx[:barrier.start()], "a KV tile load before the barrier"
+        assert "cp.async" in ptx[barrier.end():], "the KV loop no longer uses cp.async"
+
+
 def test_model_kernels_compile(compiled):
     from graphexec.kernels import rope
     from graphexec.kernels.triton_ops import TRITON_OPS as ops

@@ -143,6 +143,18 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
     for s in (1, 2, 4, 8):
         record(f"decode_attention_b64_ctx2048_splits{s}",
                lambda s=s: at.decode_attention_splits(q, k, v, tables, sl, scale, s), io_bytes)
+    # what the engine runs at decode: rope on q and the new K, its K/V write, and attention in
+    # one kernel (each row's new token goes to its last slot, position ctx - 1)
+    from graphexec.kernels.rope import rope_cos_sin
+    cos, sin = rope_cos_sin(ctx, d, 500000.0, device="cuda")
+    k_new = torch.randn(b, hk, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(b, hk, d, device="cuda", dtype=dtype)
+    pos = torch.full((b,), ctx - 1, dtype=torch.int64, device="cuda")
+    last_slot = (tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs)
+    record("rope_decode_attention_b64_ctx2048",
+           lambda: ops.rope_decode_attention(q, k_new, v_new, pos, cos, sin, k, v, last_slot,
+                                             tables, sl, scale), io_bytes,
+           extra={"num_splits": splits})
     # the engine's block tables are as wide as the longest context allowed (here 32k)
     wide = tables[:, :1].repeat(1, 32768 // bs)
     wide[:, :tables.shape[1]] = tables
@@ -151,6 +163,16 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
            extra={"num_splits": at._decode_num_splits(b, hk, wide.shape[1], bs, 64, q.device)})
     del k, v, tables, wide
     torch.cuda.empty_cache()
+    # batch 64, short context (the 128 + 128 decode benchmark's mean is 192): one split by
+    # default (512 programs already), is splitting the 3 tiles of a row any faster?
+    ctx3 = 192
+    k, v, tables = _paged_cache(b, ctx3, hk, d, bs, dtype)
+    sl3 = torch.full((b,), ctx3, dtype=torch.int32, device="cuda")
+    io3 = 2 * b * ctx3 * hk * d * k.element_size() + 2 * q.numel() * q.element_size()
+    for s in (1, 2, 3):
+        record(f"decode_attention_b64_ctx192_splits{s}",
+               lambda s=s: at.decode_attention_splits(q, k, v, tables, sl3, scale, s), io3)
+    del k, v, tables
     # small batch, long context (split-K matters here)
     b2, ctx2 = 4, 8192
     k, v, tables = _paged_cache(b2, ctx2, hk, d, bs, dtype)
@@ -201,7 +223,11 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
     record("sample_b64_v128256_topp0.9_flat",
            lambda: ops.sample(flat, temp, no_k, top_p, seeds, steps), lb,
            extra={"note": "flat logits: every row takes the exact full-row fallback"})
-    del logits, flat
+    # the engine hands the sampler the LM head's bf16 logits (upcast as they are read)
+    logits16 = logits.bfloat16()
+    record("sample_b64_v128256_topk50_topp0.9_bf16",
+           lambda: ops.sample(logits16, temp, top_k, top_p, seeds, steps), logits16.numel() * 2)
+    del logits, flat, logits16
 
     # --- norms, rope, write_kv at decode sizes (64 tokens, Llama-8B)
     hidden = 4096

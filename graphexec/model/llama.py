@@ -46,9 +46,10 @@ class AttentionInputs:
     block_tables: torch.Tensor  # [rows, max_blocks]
     seq_lens: torch.Tensor  # [rows] keys each row attends to (new tokens included)
     cu_seqlens_q: torch.Tensor | None = None  # [rows + 1], prefill only
-    # Decode only: every row is a different sequence, so no row attends to another row's new
-    # token and rope, the KV write and attention may run as one kernel. False for the
-    # speculative verify, whose K + 1 rows per sequence read each other's new tokens.
+    # Decode only: every row is a different sequence with its own blocks (a row's new token
+    # sits at position seq_len - 1, its slot in that row's blocks), so no row attends to
+    # another row's new token and rope, the KV write and attention may run as one kernel.
+    # False for the speculative verify, whose K + 1 rows per sequence read each other's.
     rows_are_sequences: bool = False
 
 
