@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device run: install, GPU tests, step profiles, benchmarks. Logs under $OUT (or ./out).
-# SUITE picks the parts: any of tests profile decode spec kernels tune m1 (default: tests profile).
+# SUITE picks the parts: any of tests profile decode spec kernels tune variants (default: tests
+# profile).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 SUITE=${SUITE:-"tests profile"}
@@ -31,10 +32,13 @@ if has tune; then
   timeout ${TUNE_TIMEOUT:-300} python3 tools/tune_linear.py ${TUNE_ARGS:-} --out "$OUT" \
     2>&1 | tee "$OUT/tune_linear.log" | grep -v "^ " | tail -40
 fi
-if has m1; then  # one-row projection configs, whole decode steps, a process each
-  for v in ${M1_VARIANTS:-shipped down2048 norm2048 norm4x2048}; do
-    timeout 120 python3 tools/decode_m1_configs.py $v ${M1_ARGS:-} 2>&1 | grep '"variant"'
-  done | tee "$OUT/m1_configs.log"
+if has variants; then  # tools/decode_variants.py: whole decode steps, a process each
+  for v in ${VARIANTS:-shipped down2048 norm2048 norm4x2048}; do
+    timeout 120 python3 tools/decode_variants.py $v ${VARIANT_ARGS:-} 2>&1 | grep '"variant"'
+  done | tee -a "$OUT/decode_variants.log"
+  for v in ${VARIANTS_B64:-shipped down-triton lmhead-triton both-triton}; do
+    timeout 120 python3 tools/decode_variants.py $v --batch 64 2>&1 | grep '"variant"'
+  done | tee -a "$OUT/decode_variants.log"
 fi
 if has kernels; then
   timeout 120 python3 tools/bench_kernels.py --out "$OUT/kernels.json" 2>&1 \

@@ -1,17 +1,23 @@
-"""Decode step time at batch 1 under different one-row projection configs, each run in its own
-process (configs change compiled kernels, and PDL overlap only shows inside a real decode step,
-which tools/tune_linear.py, timing projections one at a time, cannot see).
+"""Decode step time under alternative kernel choices, each run in its own process (a choice
+changes compiled kernels, and the overlap of programmatic dependent launch only shows inside a
+real decode step, which tools/tune_linear.py, timing projections one at a time, cannot see).
 
-`python tools/decode_m1_configs.py VARIANT [--model llama-1b] [--batch 1]`
+`python tools/decode_variants.py VARIANT [--model llama-1b] [--batch 1]`
 
-Variants (kernels/linear_triton.py, M = 1 only; other row counts keep pick_config):
-  shipped   pick_config / pick_norm_config as they are
-  k512      4 columns x 512-wide K steps (1024 for K >= 8192), fused norm 8 x 1024: the rule
-            before 2048-wide steps
-  k2048w8   4 x 2048 everywhere (down included), fused norm 4 x 2048, 8 warps
-  down2048  shipped, but the down projection (K = 8192) also 2048 wide (4 warps)
-  norm2048  shipped, but the fused-norm projections 8 x 2048 (4 warps)
+One-row projection configs (kernels/linear_triton.py, M = 1; other row counts keep pick_config):
+  shipped     everything as it is
+  k512        4 columns x 512-wide K steps (1024 for K >= 8192), fused norm 8 x 1024: the rule
+              before 2048-wide steps
+  k2048w8     4 x 2048 everywhere (down included), fused norm 4 x 2048, 8 warps
+  down2048    shipped, but the down projection (K = 8192) also 2048 wide (4 warps)
+  norm2048    shipped, but the fused-norm projections 8 x 2048 (4 warps)
   norm4x2048  shipped, but the fused-norm projections 4 x 2048 (4 warps)
+Who runs the projections above one row (the default "auto": cuBLAS; run these at --batch 64):
+  down-triton      the down projection on Triton up to 64 rows (tune_linear: 17.0 vs 17.4 us
+                   for cuBLAS's split-K and its reduce kernel at 64 rows)
+  lmhead-triton    the LM head (any weight of >= 65536 rows) on Triton up to 64 rows (188 vs
+                   196.5 us)
+  both-triton      the two together
 Prints one JSON line: decode step ms, GPU busy ms, roofline fraction, idle fraction.
 """
 from __future__ import annotations
@@ -43,6 +49,26 @@ def _one_row_rule(block_k: int, long_block_k: int, warps: int, norm_cols: int,
     return pick, pick_norm
 
 
+def _auto_with(down: bool, lm_head: bool):
+    """The "auto" op set with the down projection and/or the LM head on Triton up to 64 rows."""
+    from dataclasses import replace
+    from functools import partial
+
+    from graphexec.kernels import triton_ops
+
+    auto = triton_ops.TRITON_SINGLE_ROW_OPS
+    ops = auto
+    if down:
+        ops = replace(ops, silu_mul_linear=partial(lt.silu_mul_linear, max_rows=lt.MAX_ROWS))
+    if lm_head:
+        def linear(x, weight, bias=None):
+            if weight.shape[0] >= 65536:
+                return lt.linear(x, weight, bias, max_rows=lt.MAX_ROWS)
+            return auto.linear(x, weight, bias)
+        ops = replace(ops, linear=linear)
+    triton_ops.TRITON_SINGLE_ROW_OPS = ops  # select_ops reads it when the engine starts
+
+
 VARIANTS = {
     "shipped": None,
     "k512": lambda: _one_row_rule(512, 1024, 4, 8, 1024),
@@ -50,7 +76,11 @@ VARIANTS = {
     "down2048": lambda: _one_row_rule(2048, 2048, 4, 8, 1024),
     "norm2048": lambda: _one_row_rule(2048, 1024, 4, 8, 2048),
     "norm4x2048": lambda: _one_row_rule(2048, 1024, 4, 4, 2048),
+    "down-triton": lambda: _auto_with(down=True, lm_head=False),
+    "lmhead-triton": lambda: _auto_with(down=False, lm_head=True),
+    "both-triton": lambda: _auto_with(down=True, lm_head=True),
 }
+OP_SET_VARIANTS = {"down-triton", "lmhead-triton", "both-triton"}
 
 
 def main() -> None:
@@ -60,7 +90,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
     args = ap.parse_args()
-    if VARIANTS[args.variant] is not None:
+    if args.variant in OP_SET_VARIANTS:
+        VARIANTS[args.variant]()
+    elif VARIANTS[args.variant] is not None:
         lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()
     res, llm = bench_graphexec(args.model, "async+graphs", args.batch, 128, 128,
                                copy_bandwidth(), args.batch, projections=args.projections)
