@@ -26,7 +26,7 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
     ops = model.ops
     steps = state.steps[rows]
     # Logprobs are of the raw distribution: keep the unmasked logits only when they are asked.
-    masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps < state.min_tokens[rows],
+    masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps, state.min_tokens[rows],
                                   inplace=not with_logprobs)
     tokens = ops.sample(masked, state.temperature[rows], state.top_k[rows], state.top_p[rows],
                         state.seeds[rows], steps)

@@ -35,8 +35,8 @@ def _slots(state: DecodeState, bucket: int, pos: torch.Tensor, block_size: int) 
 def _masked(model: LlamaModel, state: DecodeState, logits: torch.Tensor, bucket: int,
             steps: torch.Tensor) -> torch.Tensor:
     rows = slice(0, bucket)
-    return model.ops.mask_stop_tokens(logits, state.stop_ids[rows], steps < state.min_tokens[rows],
-                                      inplace=True)
+    return model.ops.mask_stop_tokens(logits, state.stop_ids[rows], steps,
+                                      state.min_tokens[rows], inplace=True)
 
 
 def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv: KVCache,
@@ -82,8 +82,8 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     raw = target.compute_logits(hidden)  # [B*(K+1), V]
     rep = lambda x: x.repeat_interleave(k + 1, dim=0)
     step_all = (steps[:, None] + offs[None, :]).reshape(-1)
-    logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]),
-                                         step_all < rep(state.min_tokens[rows]),
+    logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]), step_all,
+                                         rep(state.min_tokens[rows]),
                                          inplace=not variant.logprobs)
 
     # 3. accept a prefix, add one corrected or bonus token

@@ -102,18 +102,27 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
-                         kn_ptr, vn_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
-                         qk_scale, G, D, NUM_SPLITS,
+                         cnt_ptr, kn_ptr, vn_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+                         qk_scale, G, D, NUM_SPLITS, MIN_TILES,
                          sq0, sq1, skb, sks, skh, svb, svs, svh, sbt0, so0, so1,
                          skn0, skn1, svn0, svn1, sc0,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
+                         MERGE_SPLITS: tl.constexpr,
                          DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                          PDL: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
-    The context [0, seq_len) is cut into NUM_SPLITS equal runs of whole BLOCK_N tiles, so the
-    work follows the real length while the grid depends on shapes only. Scores are in log2
-    units (qk_scale includes log2(e)).
+    A row uses n_split = min(NUM_SPLITS, cdiv(tiles, MIN_TILES)) splits, read on the device
+    from its length: the context [0, seq_len) is cut into n_split equal runs of whole BLOCK_N
+    tiles, so the work follows the real length while the grid depends on shapes only, and a
+    short row runs on few programs (the others find an empty range and store nothing). Scores
+    are in log2 units (qk_scale includes log2(e)).
+
+    One split normalises and stores its output. Several store partial (max, sum, acc) results
+    and take a ticket from the row's counter (cnt_ptr[b, kh]); the program that draws the last
+    ticket merges the partials in split order and resets the counter to 0 for the next launch.
+    The merge is the same whichever program ends last, so results stay deterministic, and no
+    separate reduce kernel is launched (at batch 1 that launch cost as much as the attention).
 
     ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
     heads, and the program whose split holds the new token's position rotates k and writes k
@@ -129,7 +138,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     b64 = b.to(tl.int64)
     seq_len = tl.load(sl_ptr + b)
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per = tl.cdiv(n_tiles, NUM_SPLITS)
+    n_split = tl.minimum(tl.maximum(tl.cdiv(n_tiles, MIN_TILES), 1), NUM_SPLITS)
+    tiles_per = tl.cdiv(n_tiles, n_split)
     start = sp * tiles_per * BLOCK_N
     end = tl.minimum(start + tiles_per * BLOCK_N, seq_len)
 
@@ -202,41 +212,72 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
 
     omask = gmask[:, None] & dmask[None, :]
     if DIRECT:
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
-        tl.store(out_ptr + b64 * so0 + heads[:, None] * so1 + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        # partials: [B, Hq, NUM_SPLITS] for m and l, [B, Hq, NUM_SPLITS, BLOCK_D] for acc.
-        # Every split writes, empty ones too (m = -inf, l = 0, acc = 0).
-        row = (b64 * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp
-        tl.store(pm_ptr + row, m_i, mask=gmask)
-        tl.store(pl_ptr + row, l_i, mask=gmask)
-        tl.store(po_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=omask)
+        _store_normalized(out_ptr, b64 * so0 + heads[:, None] * so1 + d[None, :], acc, l_i,
+                          omask)
+    elif sp < n_split:
+        if n_split == 1:
+            _store_normalized(out_ptr, b64 * so0 + heads[:, None] * so1 + d[None, :], acc, l_i,
+                              omask)
+        else:
+            # partials: [B, Hq, NUM_SPLITS] for m and l, [B, Hq, NUM_SPLITS, BLOCK_D] for acc.
+            # Every split of the row writes, empty ones too (m = -inf, l = 0, acc = 0).
+            row = (b64 * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp
+            tl.store(pm_ptr + row, m_i, mask=gmask)
+            tl.store(pl_ptr + row, l_i, mask=gmask)
+            tl.store(po_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=omask)
+            # every warp's stores are issued before the ticket's release makes them visible
+            tl.debug_barrier()
+            counter = cnt_ptr + b64 * tl.num_programs(1) + kh64
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_split - 1:
+                _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS,
+                              n_split, tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D,
+                              MERGE_SPLITS)
+                tl.store(counter, 0)
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D, NUM_SPLITS, so0, so1,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    pdl.prologue(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    hq = tl.num_programs(1)
-    s = tl.arange(0, BLOCK_S)
+def _store_normalized(out_ptr, offs, acc, l_i, mask):
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
+    tl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, n_split, HK,
+                  so0, so1, BLOCK_GR: tl.constexpr, BLOCK_D: tl.constexpr, SC: tl.constexpr):
+    """The G heads of (b, kh): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m),
+    over the row's n_split partials, SC splits at a time. Loads bypass L1 (.cg): the partials
+    were written by other SMs during this launch."""
+    g = tl.arange(0, BLOCK_GR)
+    c = tl.arange(0, SC)
     d = tl.arange(0, BLOCK_D)
-    smask = s < NUM_SPLITS
-    row = (b * hq + h) * NUM_SPLITS + s
-    m = tl.load(pm_ptr + row, mask=smask, other=float("-inf"))
-    l = tl.load(pl_ptr + row, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # empty splits weigh nothing
-    acc = tl.load(po_ptr + row[:, None] * BLOCK_D + d[None, :],
-                  mask=smask[:, None] & (d[None, :] < D), other=0.0)
-    acc = tl.where(w[:, None] > 0, acc, 0.0)
-    total = tl.sum(w * l, 0)
-    o = tl.sum(acc * w[:, None], 0)
-    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(out_ptr + b * so0 + h * so1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    heads = kh64 * G + g
+    base = (b64 * (G * HK) + heads) * NUM_SPLITS  # [BLOCK_GR]: split 0 of each head
+    gm = g < G
+    m_max = tl.full([BLOCK_GR], float("-inf"), tl.float32)
+    for s0 in range(0, n_split, SC):
+        sm = gm[:, None] & (s0 + c < n_split)[None, :]
+        m = tl.load(pm_ptr + base[:, None] + s0 + c[None, :], mask=sm, other=float("-inf"),
+                    cache_modifier=".cg")
+        m_max = tl.maximum(m_max, tl.max(m, 1))
+    total = tl.zeros([BLOCK_GR], tl.float32)
+    o = tl.zeros([BLOCK_GR, BLOCK_D], tl.float32)
+    for s0 in range(0, n_split, SC):
+        sm = gm[:, None] & (s0 + c < n_split)[None, :]
+        row = base[:, None] + s0 + c[None, :]  # [BLOCK_GR, SC]
+        m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(pl_ptr + row, mask=sm, other=0.0, cache_modifier=".cg")
+        w = tl.where(m > float("-inf"), tl.exp2(m - m_max[:, None]), 0.0)  # empty: weigh 0
+        acc = tl.load(po_ptr + row[:, :, None] * BLOCK_D + d[None, None, :],
+                      mask=sm[:, :, None] & (d < D)[None, None, :], other=0.0,
+                      cache_modifier=".cg")
+        acc = tl.where(w[:, :, None] > 0, acc, 0.0)
+        total += tl.sum(w * l, 1)
+        o += tl.sum(acc * w[:, :, None], 1)
+    o = tl.where(total[:, None] > 0, o / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b64 * so0 + heads[:, None] * so1 + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (d < D)[None, :])
 
 
 def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_n: int,
@@ -325,10 +366,13 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            num_splits: int | None, rope: tuple | None = None) -> torch.Tensor:
+                            num_splits: int | None, rope: tuple | None = None,
+                            min_tiles: int | None = None) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
-    shapes. rope = (k, v, positions, cos, sin, slot_mapping): q, k unrotated, and the new k, v
-    written by the kernel (rope_decode_attention)."""
+    shapes. A row uses at most that many splits, and no more than one per min_tiles tiles of
+    its context (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
+    slot_mapping): q, k unrotated, and the new k, v written by the kernel
+    (rope_decode_attention)."""
     b, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
     # fused: the cache's dtype (no conversion on write) and a power-of-two head dim (q is
@@ -366,31 +410,55 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_splits is None:
         num_splits = _decode_num_splits(b, hk, m, bs, block_n, q.device)
     num_splits = max(1, int(num_splits))
+    min_tiles = max(1, int(MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles))
     direct = num_splits == 1
     ieee = _ieee_dot(q.dtype, k_cache.dtype)
     if direct:
-        po = pm = pl = out  # unused
+        po = pm = pl = counters = out  # unused
     else:
         po = _new((b, hq, num_splits, block_d), torch.float32, q.device)
         pm = _new((b, hq, num_splits), torch.float32, q.device)
         pl = _new((b, hq, num_splits), torch.float32, q.device)
+        counters = _split_counters(q.device, b * hk)
+    block_gr = triton.next_power_of_2(g)
+    merge_splits = max(1, min(triton.next_power_of_2(num_splits),
+                              _MERGE_ELEMENTS // (block_gr * block_d)))
     dependent = pdl.enabled(q, projection=False)
     _decode_split_kernel[(b, hk, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl,
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl, counters,
         kn, vn, pos, slots, cos, sin,
-        float(scale) * _LOG2E, g, d, num_splits,
+        float(scale) * _LOG2E, g, d, num_splits, min_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), *rope_strides,
-        BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=ieee, ROPE=rope is not None, PDL=dependent, num_warps=4,
-        num_stages=3, launch_pdl=dependent)
-    if not direct:
-        _decode_reduce_kernel[(b, hq)](
-            po, pm, pl, out, d, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=dependent,
-            num_warps=4, launch_pdl=dependent)
+        BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
+        MERGE_SPLITS=merge_splits, DIRECT=direct, IEEE=ieee, ROPE=rope is not None,
+        PDL=dependent, num_warps=4, num_stages=3, launch_pdl=dependent)
     return out
+
+
+# Fewest BLOCK_N tiles a split takes before a row is cut into more splits: a row of a few
+# tiles then runs on that many programs (or one) instead of the whole split grid.
+MIN_TILES_PER_SPLIT = 1
+_MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The ticket counters of the split merge, one per (row, KV head): zero between launches
+    (the last program of each row resets its own). One buffer per device, kept for the
+    process, so captured graphs keep pointing at live, zeroed memory. Launches sharing it must
+    not run concurrently: the engine issues everything on one stream at a time (graph warm-up
+    on a side stream is joined before capture), and a programmatic dependent waits for the
+    launch before it ends before touching memory."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else 0)
+    key = (device.type, index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 # ----------------------------------------------------------------------------------------------

@@ -203,12 +203,13 @@ def pick_config(m: int, n: int, k: int) -> LinearConfig:
     2048-wide K steps (all of llama-1b's 2048-wide inputs in one: under programmatic dependent
     launch a program fetches its whole weight slice before waiting for the previous kernel;
     llama-1b batch 1 decode step 1.148 -> 1.111 ms against 512-wide steps, where 512 had been
-    the best without PDL), 1024 for the long K of the down projection; no split. M > 1: tensor-core
+    the best without PDL), the down projection's long K included (1024-wide steps there: 1.112
+    ms; 2048: 1.063, tools/decode_variants.py, 2026-11-24); no split. M > 1: tensor-core
     tiles with 4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
     split only when it is longer than N (the down projection), where few output tiles each walk
     a long reduction; elsewhere the partial-sum kernel cost more than the programs it added."""
     if m == 1:
-        return LinearConfig(1, 4, 1024 if k >= 8192 else 2048)
+        return LinearConfig(1, 4, 2048)
     block_m = 16 if m <= 16 else 64
     wide = n >= 16384
     block_n = 64 if wide else (32 if n >= 3072 or block_m == 64 else 16)

@@ -81,14 +81,15 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return torch.where(greedy, logits.argmax(-1), sampled)
 
 
-def mask_stop_tokens_ref(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch.Tensor,
-                         inplace: bool = False) -> torch.Tensor:
-    """min_tokens: rows where `active` may not emit any id of stop_ids[row] (padded with -1).
-    Touches only the [B, 16] stop entries (no full-vocabulary pass); `inplace` writes into
-    `logits` itself, for callers that no longer need the unmasked values."""
+def mask_stop_tokens_ref(logits: torch.Tensor, stop_ids: torch.Tensor, steps: torch.Tensor,
+                         min_tokens: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """min_tokens: rows whose step is below their min_tokens may not emit any id of
+    stop_ids[row] (padded with -1). Touches only the [B, 16] stop entries (no full-vocabulary
+    pass); `inplace` writes into `logits` itself, for callers that no longer need the unmasked
+    values."""
     out = logits if inplace else logits.clone()
     ids = stop_ids.clamp(min=0)
-    hit = (stop_ids >= 0) & active[:, None]
+    hit = (stop_ids >= 0) & (steps < min_tokens)[:, None]
     # amin with +inf leaves an entry as it is, with -inf masks it; duplicate ids (a padding -1
     # clamped onto a real stop id 0) then agree whatever order the writes land in.
     fill = torch.where(hit, float("-inf"), float("inf")).to(out.dtype)

@@ -4,8 +4,7 @@ for one-row batches, cuBLAS above: the default) and BATCH_INVARIANT_OPS (per-row
 independent of the batch). Every function has the signature and semantics of the
 reference it replaces (kernels/attention.py, linear.py, rmsnorm.py, rope.py, sampling.py) and
 launches with grids taken from tensor shapes only, so a decode iteration built from them can be
-captured in a CUDA graph. mask_stop_tokens and logprobs stay the references (graph-safe torch
-ops)."""
+captured in a CUDA graph. logprobs stays the reference (graph-safe torch ops)."""
 from __future__ import annotations
 
 import os
@@ -38,10 +37,10 @@ from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
-               linear_triton, norm_rope_triton, sampling_triton)
+               linear_triton, norm_rope_triton, sampling_triton, stop_tokens_triton)
 from . import Ops  # noqa: E402
 from .linear import linear_ref  # noqa: E402
-from .sampling import logprobs_ref, mask_stop_tokens_ref  # noqa: E402
+from .sampling import logprobs_ref  # noqa: E402
 
 TRITON_OPS = Ops(
     name="triton",
@@ -54,7 +53,7 @@ TRITON_OPS = Ops(
     decode_attention=attention_triton.decode_attention,
     prefill_attention=attention_triton.prefill_attention,
     sample=sampling_triton.sample,
-    mask_stop_tokens=mask_stop_tokens_ref,
+    mask_stop_tokens=stop_tokens_triton.mask_stop_tokens,
     logprobs=logprobs_ref,
     decode_metadata=advance_triton.decode_metadata,
     advance=advance_triton.advance,

@@ -104,6 +104,31 @@ def test_decode_attention_many_splits_short_rows(K):
 
 @kernel_test
 @pytest.mark.gpu
+def test_decode_attention_split_merge_leaves_counters_zero_and_is_deterministic(K):
+    """Several splits merge inside the kernel: the program with the last ticket of its (row,
+    KV head) merges and resets the counter. Counters must be zero after every launch (a graph
+    replays the same buffer), and the result must not depend on which program ended last:
+    repeated launches are bitwise equal. Rows of 1 to many tiles, min_tiles 1, 2 and 4."""
+    dtype = torch.bfloat16
+    lens = big([1, 64, 65, 300, 1000, 2049], [1, 64, 65, 200])
+    kc, vc, _, _, tables = _paged_cache(lens, 2, 64, 16, dtype, 25, extra_cols=4)
+    q = _randn((len(lens), 8, 64), dtype, 26)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ref = attn_ref.paged_decode_attention_ref(q, kc, vc, tables, sl, 0.125)
+    for min_tiles in (1, 2, 4):
+        first = K.at.decode_attention_splits(q, kc, vc, tables, sl, 0.125, 8, min_tiles=min_tiles)
+        _check(first, ref, dtype, "attention")
+        counters = K.at._split_counters(q.device, 1)
+        assert int(counters.abs().sum()) == 0, min_tiles
+        for _ in range(3):
+            again = K.at.decode_attention_splits(q, kc, vc, tables, sl, 0.125, 8,
+                                                 min_tiles=min_tiles)
+            assert torch.equal(again, first), min_tiles
+        assert int(counters.abs().sum()) == 0, min_tiles
+
+
+@kernel_test
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_attention_invariant_rows_do_not_depend_on_batch(K, dtype):
     """The batch-invariant variant: each row alone gives bitwise what it gives in the batch

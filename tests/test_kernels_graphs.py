@@ -18,7 +18,7 @@ from kernel_helpers import (
 def test_ops_table(K):
     from graphexec.kernels import REFERENCE_OPS
     assert K.ops.name == "triton"
-    assert K.ops.mask_stop_tokens is REFERENCE_OPS.mask_stop_tokens
+    assert K.ops.mask_stop_tokens is not REFERENCE_OPS.mask_stop_tokens
     assert K.ops.logprobs is REFERENCE_OPS.logprobs
 
 

@@ -139,3 +139,42 @@ def test_sample_distribution(K, temp, top_k, top_p):
         return
     stat = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
     assert stat < _chi2_critical(len(cells_e) - 1), (stat, cells_o, cells_e)
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_mask_stop_tokens_matches_a_loop(K, dtype, inplace):
+    """min_tokens: a row below its floor gets -inf at each of its stop ids (-1 pads the list,
+    duplicates allowed); every other entry and every row at or past its floor are untouched.
+    The Triton kernel and the reference against a plain loop over the rows."""
+    from graphexec.kernels.stop_tokens_triton import mask_stop_tokens
+
+    b, v, s = 9, 1000, 16
+    g = _gen(70)
+    logits = torch.randn(b, v, generator=g).to(DEV, dtype)
+    stop_ids = torch.full((b, s), -1, dtype=torch.int64)
+    for i in range(b):
+        n = i % 5
+        stop_ids[i, :n] = torch.randint(0, v, (n,), generator=g)
+    stop_ids[3, 1] = stop_ids[3, 0]  # a duplicate id
+    stop_ids[4, 0] = 0  # id 0 next to -1 padding (the reference clamps padding onto 0)
+    steps = torch.randint(0, 6, (b,), generator=g)
+    min_tokens = torch.randint(0, 6, (b,), generator=g)
+    expected = logits.clone()
+    for i in range(b):
+        if steps[i] < min_tokens[i]:
+            for t in stop_ids[i].tolist():
+                if t >= 0:
+                    expected[i, t] = float("-inf")
+    assert not torch.equal(expected, logits)  # the case masks something
+    dev = dict(device=DEV)
+    args = (stop_ids.to(**dev), steps.to(**dev), min_tokens.to(**dev))
+    for fn in (mask_stop_tokens, samp_ref.mask_stop_tokens_ref):
+        src = logits.clone()
+        out = fn(src, *args, inplace=inplace)
+        assert torch.equal(out, expected), fn.__name__
+        assert (out.data_ptr() == src.data_ptr()) == inplace
+        if not inplace:
+            assert torch.equal(src, logits)  # the caller's logits are left as they were

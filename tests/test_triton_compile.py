@@ -187,7 +187,7 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
                                                 torch.arange(t)))
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
-                "_decode_split_kernel", "_decode_reduce_kernel"}
+                "_decode_split_kernel"}
     assert expected <= names, expected - names
     for name, kernel in compiled:
         if name in expected:
@@ -275,7 +275,7 @@ def test_model_kernels_compile(compiled):
                 torch.tensor([b]))
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_rope_kernel", "_write_kv_kernel",
-                "_silu_mul_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
+                "_silu_mul_kernel", "_decode_split_kernel",
                 "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel"}
     assert expected <= names, expected - names
     for name, kernel in compiled:  # bf16 tensors are read with vector or async loads; a

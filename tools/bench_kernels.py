@@ -185,6 +185,22 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
                                                       q2.device)})
     del k, v, tables
 
+    # batch 1, llama-1b heads (32 q / 8 kv, d 64), the block table of an 8k context: a short
+    # row (the 128 + 128 benchmark's) and a long one, under each split floor (min_tiles)
+    b1, d1, width = 1, 64, 8192
+    k, v, tables = _paged_cache(b1, width, hk, d1, bs, dtype)
+    q1 = torch.randn(b1, hq, d1, device="cuda", dtype=dtype)
+    for ctx1 in (192, 8192):
+        sl1 = torch.full((b1,), ctx1, dtype=torch.int32, device="cuda")
+        io1 = 2 * ctx1 * hk * d1 * 2 + 2 * q1.numel() * 2
+        for mt in (1, 2, 4, 8):
+            record(f"decode_attention_b1_ctx{ctx1}_d64_min_tiles{mt}",
+                   lambda sl1=sl1, mt=mt: at.decode_attention_splits(
+                       q1, k, v, tables, sl1, d1 ** -0.5, None, min_tiles=mt), io1,
+                   extra={"num_splits": at._decode_num_splits(b1, hk, tables.shape[1], bs, 64,
+                                                              q1.device)})
+    del k, v, tables
+
     # --- prefill: one 2048-token prompt, Llama-8B heads
     t = 2048
     k, v, tables = _paged_cache(1, t, hk, d, bs, dtype)

@@ -9,7 +9,8 @@ One-row projection configs (kernels/linear_triton.py, M = 1; other row counts ke
   k512        4 columns x 512-wide K steps (1024 for K >= 8192), fused norm 8 x 1024: the rule
               before 2048-wide steps
   k2048w8     4 x 2048 everywhere (down included), fused norm 4 x 2048, 8 warps
-  down2048    shipped, but the down projection (K = 8192) also 2048 wide (4 warps)
+  down1024    shipped, but the down projection (K = 8192) 1024 wide (the rule before commit
+              "down projection 2048 wide": 1.112 ms a step against 1.063 on llama-1b)
   norm2048    shipped, but the fused-norm projections 8 x 2048 (4 warps)
   norm4x2048  shipped, but the fused-norm projections 4 x 2048 (4 warps)
 Who runs the projections above one row (the default "auto": cuBLAS; run these at --batch 64):
@@ -18,6 +19,10 @@ Who runs the projections above one row (the default "auto": cuBLAS; run these at
   lmhead-triton    the LM head (any weight of >= 65536 rows) on Triton up to 64 rows (188 vs
                    196.5 us)
   both-triton      the two together
+Decode attention:
+  min-tiles1, min-tiles2, min-tiles4, min-tiles8
+                   a row takes one more split per this many 64-key tiles of its context (up to
+                   the split count the grid has); the default is MIN_TILES_PER_SPLIT
 Prints one JSON line: decode step ms, GPU busy ms, roofline fraction, idle fraction.
 """
 from __future__ import annotations
@@ -73,7 +78,7 @@ VARIANTS = {
     "shipped": None,
     "k512": lambda: _one_row_rule(512, 1024, 4, 8, 1024),
     "k2048w8": lambda: _one_row_rule(2048, 2048, 8, 4, 2048),
-    "down2048": lambda: _one_row_rule(2048, 2048, 4, 8, 1024),
+    "down1024": lambda: _one_row_rule(2048, 1024, 4, 8, 1024),
     "norm2048": lambda: _one_row_rule(2048, 1024, 4, 8, 2048),
     "norm4x2048": lambda: _one_row_rule(2048, 1024, 4, 4, 2048),
     "down-triton": lambda: _auto_with(down=True, lm_head=False),
@@ -83,14 +88,25 @@ VARIANTS = {
 OP_SET_VARIANTS = {"down-triton", "lmhead-triton", "both-triton"}
 
 
+def _min_tiles(n: int):
+    from graphexec.kernels import attention_triton
+    attention_triton.MIN_TILES_PER_SPLIT = n
+
+
+# Decode attention: the fewest 64-key tiles a split takes (kernels/attention_triton.py)
+ATTENTION_VARIANTS = {f"min-tiles{n}": n for n in (1, 2, 4, 8)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("variant", choices=list(VARIANTS))
+    ap.add_argument("variant", choices=list(VARIANTS) + list(ATTENTION_VARIANTS))
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
     args = ap.parse_args()
-    if args.variant in OP_SET_VARIANTS:
+    if args.variant in ATTENTION_VARIANTS:
+        _min_tiles(ATTENTION_VARIANTS[args.variant])
+    elif args.variant in OP_SET_VARIANTS:
         VARIANTS[args.variant]()
     elif VARIANTS[args.variant] is not None:
         lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()

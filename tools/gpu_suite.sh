@@ -33,7 +33,7 @@ if has tune; then
     2>&1 | tee "$OUT/tune_linear.log" | grep -v "^ " | tail -40
 fi
 if has variants; then  # tools/decode_variants.py: whole decode steps, a process each
-  for v in ${VARIANTS:-shipped down2048 norm2048 norm4x2048}; do
+  for v in ${VARIANTS:-shipped down1024 norm2048 norm4x2048}; do
     timeout 120 python3 tools/decode_variants.py $v ${VARIANT_ARGS:-} 2>&1 | grep '"variant"'
   done | tee -a "$OUT/decode_variants.log"
   for v in ${VARIANTS_B64:-shipped down-triton lmhead-triton both-triton}; do
