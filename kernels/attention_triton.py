@@ -108,7 +108,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                          skn0, skn1, svn0, svn1, sc0,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
-                         MERGE_SPLITS: tl.constexpr,
+                         MERGE_SPLITS: tl.constexpr, MERGE: tl.constexpr,
                          DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                          PDL: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
@@ -118,11 +118,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     short row runs on few programs (the others find an empty range and store nothing). Scores
     are in log2 units (qk_scale includes log2(e)).
 
-    One split normalises and stores its output. Several store partial (max, sum, acc) results
-    and take a ticket from the row's counter (cnt_ptr[b, kh]); the program that draws the last
-    ticket merges the partials in split order and resets the counter to 0 for the next launch.
-    The merge is the same whichever program ends last, so results stay deterministic, and no
-    separate reduce kernel is launched (at batch 1 that launch cost as much as the attention).
+    One split normalises and stores its output. Several store partial (max, sum, acc) results;
+    with MERGE each then takes a ticket from the row's counter (cnt_ptr[b, kh]), and the program
+    that draws the last ticket merges the partials in split order and resets the counter to 0
+    for the next launch. The merge is the same whichever program ends last, so results stay
+    deterministic. Without MERGE, _decode_reduce_kernel merges them as a second launch.
 
     ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
     heads, and the program whose split holds the new token's position rotates k and writes k
@@ -225,15 +225,32 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
             tl.store(pm_ptr + row, m_i, mask=gmask)
             tl.store(pl_ptr + row, l_i, mask=gmask)
             tl.store(po_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=omask)
-            # every warp's stores are issued before the ticket's release makes them visible
-            tl.debug_barrier()
-            counter = cnt_ptr + b64 * tl.num_programs(1) + kh64
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_split - 1:
-                _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS,
-                              n_split, tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D,
-                              MERGE_SPLITS)
-                tl.store(counter, 0)
+            if MERGE:
+                # every warp's stores are issued before the ticket's release makes them visible
+                tl.debug_barrier()
+                counter = cnt_ptr + b64 * tl.num_programs(1) + kh64
+                ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if ticket == n_split - 1:
+                    _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS,
+                                  n_split, tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D,
+                                  MERGE_SPLITS)
+                    tl.store(counter, 0)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, sl_ptr, G, D, NUM_SPLITS, MIN_TILES,
+                          so0, so1, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
+                          BLOCK_D: tl.constexpr, MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """The merge as its own launch (MERGE=False): program (b, kh) merges the G heads of a row
+    that used several splits; a row of one split already stored its output."""
+    pdl.prologue(PDL)
+    b64 = tl.program_id(0).to(tl.int64)
+    kh64 = tl.program_id(1).to(tl.int64)
+    n_tiles = tl.cdiv(tl.load(sl_ptr + b64), BLOCK_N)
+    n_split = tl.minimum(tl.maximum(tl.cdiv(n_tiles, MIN_TILES), 1), NUM_SPLITS)
+    if n_split > 1:
+        _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, n_split,
+                      tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D, MERGE_SPLITS)
 
 
 @triton.jit
@@ -294,7 +311,14 @@ def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_
 def _decode_blocks(d: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_N): the head dim padded, and keys per tile."""
     block_d = max(16, triton.next_power_of_2(d))
-    return block_d, 64 if block_d <= 128 else 32
+    block_n = DECODE_TUNING.get("block_n") or (64 if block_d <= 128 else 32)
+    return block_d, block_n
+
+
+# Launch knobs of the split kernel that tools (bench_kernels.py --sweep-attention,
+# decode_variants.py) set to compare alternatives: block_n (keys per tile), num_warps,
+# num_stages, merge (1: in-kernel split merge, 0: a reduce launch). Empty: the defaults.
+DECODE_TUNING: dict[str, int] = {}
 
 
 INVARIANT_SPLITS = 16
@@ -413,17 +437,22 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     min_tiles = max(1, int(MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles))
     direct = num_splits == 1
     ieee = _ieee_dot(q.dtype, k_cache.dtype)
+    merge = bool(DECODE_TUNING.get("merge", MERGE_IN_KERNEL))
     if direct:
         po = pm = pl = counters = out  # unused
     else:
         po = _new((b, hq, num_splits, block_d), torch.float32, q.device)
         pm = _new((b, hq, num_splits), torch.float32, q.device)
         pl = _new((b, hq, num_splits), torch.float32, q.device)
-        counters = _split_counters(q.device, b * hk)
+        counters = _split_counters(q.device, b * hk) if merge else out
     block_gr = triton.next_power_of_2(g)
     merge_splits = max(1, min(triton.next_power_of_2(num_splits),
                               _MERGE_ELEMENTS // (block_gr * block_d)))
     dependent = pdl.enabled(q, projection=False)
+    # two warps for head dims up to 64 (H100, bench_kernels --sweep-attention, bf16 d 64:
+    # batch 1 x 192 keys 6.1 -> 5.7 us, 1 x 8192 16.1 -> 13.0, 64 x 192 10.5 -> 10.4; d 128
+    # at 64 x 2048 the same either way)
+    num_warps = DECODE_TUNING.get("num_warps", 2 if block_d <= 64 else 4)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl, counters,
         kn, vn, pos, slots, cos, sin,
@@ -432,14 +461,25 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), *rope_strides,
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
-        MERGE_SPLITS=merge_splits, DIRECT=direct, IEEE=ieee, ROPE=rope is not None,
-        PDL=dependent, num_warps=4, num_stages=3, launch_pdl=dependent)
+        MERGE_SPLITS=merge_splits, MERGE=merge, DIRECT=direct, IEEE=ieee,
+        ROPE=rope is not None, PDL=dependent, num_warps=num_warps,
+        num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
+    if not (direct or merge):
+        _decode_reduce_kernel[(b, hk)](
+            po, pm, pl, out, seq_lens, g, d, num_splits, min_tiles, out.stride(0),
+            out.stride(1), BLOCK_N=block_n, BLOCK_GR=block_gr, BLOCK_D=block_d,
+            MERGE_SPLITS=merge_splits, PDL=dependent, num_warps=num_warps,
+            launch_pdl=dependent)
     return out
 
 
 # Fewest BLOCK_N tiles a split takes before a row is cut into more splits: a row of a few
 # tiles then runs on that many programs (or one) instead of the whole split grid.
 MIN_TILES_PER_SPLIT = 1
+# Merge a row's splits inside the split kernel (last program, by ticket) rather than in a
+# second launch. Profiled with PDL off (llama-1b batch 1, H100) the in-kernel merge cost more
+# (split kernel 6.9 us) than the split + reduce pair (4.5 + 1.6 us).
+MERGE_IN_KERNEL = False
 _MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 

@@ -168,6 +168,7 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     dependents and wait before any global load or store."""
     from graphexec.kernels import pdl
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
+    from graphexec.kernels import attention_triton
     from graphexec.kernels.attention_triton import decode_attention_splits
 
     monkeypatch.setattr(pdl, "enabled", lambda x, projection: True)
@@ -185,9 +186,12 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4, rope=(k, v, torch.arange(t), cos, sin,
                                                 torch.arange(t)))
+    monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 1)  # the in-kernel merge too
+    decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
+                            d ** -0.5, 4)
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
-                "_decode_split_kernel"}
+                "_decode_split_kernel", "_decode_reduce_kernel"}
     assert expected <= names, expected - names
     for name, kernel in compiled:
         if name in expected:
@@ -275,7 +279,7 @@ def test_model_kernels_compile(compiled):
                 torch.tensor([b]))
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_rope_kernel", "_write_kv_kernel",
-                "_silu_mul_kernel", "_decode_split_kernel",
+                "_silu_mul_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
                 "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel"}
     assert expected <= names, expected - names
     for name, kernel in compiled:  # bf16 tensors are read with vector or async loads; a

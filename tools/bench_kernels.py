@@ -292,11 +292,65 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
     return results
 
 
+# (name, batch, context, q heads, kv heads, head dim): the decode attention of llama-1b's
+# benchmark at batch 1 and 64, a long batch-1 row, and Llama-8B's batch 64 x 2048 case
+SWEEP_SHAPES = [("b1_ctx192_d64", 1, 192, 32, 8, 64), ("b64_ctx192_d64", 64, 192, 32, 8, 64),
+                ("b1_ctx8192_d64", 1, 8192, 32, 8, 64),
+                ("b64_ctx2048_d128", 64, 2048, 32, 8, 128)]
+
+
+def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
+                    warps=(2, 4, 8), stages=(2, 3)) -> dict:
+    """Decode attention (rope fused, as a decode step runs it) under each launch config of
+    attention_triton.DECODE_TUNING, per shape of SWEEP_SHAPES: graph microseconds."""
+    from graphexec.kernels import attention_triton as at
+    from graphexec.kernels.rope import rope_cos_sin
+
+    bs, dtype = 16, torch.bfloat16
+    results: dict = {"device": torch.cuda.get_device_properties(0).name}
+    for name, b, ctx, hq, hk, d in SWEEP_SHAPES:
+        k, v, tables = _paged_cache(b, 8192 if b == 1 else ctx, hk, d, bs, dtype)
+        q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+        kn = torch.randn(b, hk, d, device="cuda", dtype=dtype)
+        vn = torch.randn(b, hk, d, device="cuda", dtype=dtype)
+        sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        pos = (sl - 1).long()
+        slots = tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
+        cos, sin = rope_cos_sin(8192, d, 500000.0, device="cuda")
+        for bn in block_ns:
+            for w in warps:
+                for st in stages:
+                    at.DECODE_TUNING.clear()
+                    at.DECODE_TUNING.update(block_n=bn, num_warps=w, num_stages=st)
+                    key = f"{name}_n{bn}_w{w}_s{st}"
+                    try:
+                        us = _graph_time_us(lambda: at.rope_decode_attention(
+                            q, kn, vn, pos, cos, sin, k, v, slots, tables, sl, d ** -0.5))
+                    except Exception as e:  # a config that does not fit (shared memory)
+                        results[key] = {"error": type(e).__name__}
+                        print(f"{key:<40} {type(e).__name__}", flush=True)
+                        continue
+                    results[key] = {"graph_us": us}
+                    print(f"{key:<40} {us:8.2f} us", flush=True)
+        at.DECODE_TUNING.clear()
+        del k, v, tables
+        torch.cuda.empty_cache()
+    if out_json_path:
+        with open(out_json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sweep-attention", action="store_true",
+                    help="instead: decode attention under alternative launch configs")
     args = ap.parse_args()
-    bench_kernels(args.out)
+    if args.sweep_attention:
+        sweep_attention(args.out)
+    else:
+        bench_kernels(args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ Decode attention:
   min-tiles1, min-tiles2, min-tiles4, min-tiles8
                    a row takes one more split per this many 64-key tiles of its context (up to
                    the split count the grid has); the default is MIN_TILES_PER_SPLIT
+  merge-in-kernel, merge-reduce
+                   a row's splits merged by the split kernel's last program, or by a second
+                   launch; the default is MERGE_IN_KERNEL
 Prints one JSON line: decode step ms, GPU busy ms, roofline fraction, idle fraction.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -93,8 +97,29 @@ def _min_tiles(n: int):
     attention_triton.MIN_TILES_PER_SPLIT = n
 
 
-# Decode attention: the fewest 64-key tiles a split takes (kernels/attention_triton.py)
-ATTENTION_VARIANTS = {f"min-tiles{n}": n for n in (1, 2, 4, 8)}
+def _merge(in_kernel: bool):
+    from graphexec.kernels import attention_triton
+    attention_triton.DECODE_TUNING["merge"] = int(in_kernel)
+
+
+# Decode attention (kernels/attention_triton.py): the fewest 64-key tiles a split takes, and
+# where a row's splits are merged
+ATTENTION_VARIANTS = {f"min-tiles{n}": partial(_min_tiles, n) for n in (1, 2, 4, 8)}
+ATTENTION_VARIANTS.update({"merge-in-kernel": partial(_merge, True),
+                           "merge-reduce": partial(_merge, False)})
+
+
+def _override_one_row(m1: str | None, m1_norm: str | None) -> None:
+    """--m1 / --m1-norm: a one-row config given on the command line (cols, block_k, warps)."""
+    def parse(spec):
+        cols, block_k, warps = (int(v) for v in spec.split(","))
+        return lt.LinearConfig(1, cols, block_k, num_warps=warps)
+
+    for spec, attr in ((m1, "pick_config"), (m1_norm, "pick_norm_config")):
+        if spec is None:
+            continue
+        config, inner = parse(spec), getattr(lt, attr)
+        setattr(lt, attr, lambda m, n, k, c=config, f=inner: c if m == 1 else f(m, n, k))
 
 
 def main() -> None:
@@ -103,13 +128,18 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
+    ap.add_argument("--m1", default=None, metavar="COLS,BLOCK_K,WARPS",
+                    help="one-row projection config for every weight (overrides the variant's)")
+    ap.add_argument("--m1-norm", default=None, metavar="COLS,BLOCK_K,WARPS",
+                    help="one-row config of the projections with the norm fused in")
     args = ap.parse_args()
     if args.variant in ATTENTION_VARIANTS:
-        _min_tiles(ATTENTION_VARIANTS[args.variant])
+        ATTENTION_VARIANTS[args.variant]()
     elif args.variant in OP_SET_VARIANTS:
         VARIANTS[args.variant]()
     elif VARIANTS[args.variant] is not None:
         lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()
+    _override_one_row(args.m1, args.m1_norm)
     res, llm = bench_graphexec(args.model, "async+graphs", args.batch, 128, 128,
                                copy_bandwidth(), args.batch, projections=args.projections)
     llm.close()
