@@ -477,9 +477,12 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # tiles then runs on that many programs (or one) instead of the whole split grid.
 MIN_TILES_PER_SPLIT = 1
 # Merge a row's splits inside the split kernel (last program, by ticket) rather than in a
-# second launch. Profiled with PDL off (llama-1b batch 1, H100) the in-kernel merge cost more
-# (split kernel 6.9 us) than the split + reduce pair (4.5 + 1.6 us).
-MERGE_IN_KERNEL = False
+# second launch. With PDL off the merged split kernel is slower than the pair (llama-1b batch 1,
+# H100 profile: 6.9 us against 4.5 + 1.6), but in the shipped PDL chain, where the reduce
+# launch overlapped and still cost its own wait, the whole decode step is faster: 1.0657 /
+# 1.0650 ms against 1.0769 / 1.0742 (tools/decode_variants.py merge-in-kernel / merge-reduce,
+# alternating runs, 2026-11-24).
+MERGE_IN_KERNEL = True
 _MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
