@@ -13,8 +13,8 @@ endif
 
 install-test: install
 	$(PYTHON) -m pip install -q pytest hypothesis "transformers>=4.45" tokenizers
+# Without a GPU, Triton's interpreter and its sm_90 compiler still run the kernel tests.
 ifneq ($(HAS_CUDA),1)
-	# Triton's interpreter and its sm_90 compiler run the kernel tests without a GPU
 	$(PYTHON) -m pip install -q "triton>=3.3"
 endif
 
