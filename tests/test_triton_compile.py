@@ -186,7 +186,7 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4, rope=(k, v, torch.arange(t), cos, sin,
                                                 torch.arange(t)))
-    monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 1)  # the in-kernel merge too
+    monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 0)  # the reduce launch too
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4)
     names = {name for name, _ in compiled}
@@ -232,8 +232,8 @@ def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled)
         assert "cp.async" in ptx[barrier.end():], "the KV loop no longer uses cp.async"
 
 
-def test_model_kernels_compile(compiled):
-    from graphexec.kernels import rope
+def test_model_kernels_compile(compiled, monkeypatch):
+    from graphexec.kernels import attention_triton, rope
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
     from graphexec.kernels.attention_triton import (decode_attention_invariant,
                                                      decode_attention_splits,
@@ -260,6 +260,9 @@ def test_model_kernels_compile(compiled):
     qd = _bf16(t, hq, d)
     ops.decode_attention(qd, kc, vc, tables, lens, d ** -0.5)
     ops.rope_decode_attention(q, k, v, pos, cos, sin, kc, vc, slots, tables, lens, d ** -0.5)
+    monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 0)  # the reduce launch too
+    ops.decode_attention(qd, kc, vc, tables, lens, d ** -0.5)
+    monkeypatch.delitem(attention_triton.DECODE_TUNING, "merge")
     decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 1,
                             rope=(k, v, pos, cos, sin, slots))
     decode_attention_splits(qd, kc, vc, tables, lens, d ** -0.5, 1)
