@@ -485,6 +485,7 @@ MIN_TILES_PER_SPLIT = 1
 MERGE_IN_KERNEL = True
 _MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -499,6 +500,8 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     key = (device.type, index)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)  # graphs captured earlier still point at it: keep it alive
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf

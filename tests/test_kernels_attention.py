@@ -408,3 +408,16 @@ def test_prefill_attention_invariant_sequence_does_not_depend_on_batch(K):
             q[rows], kc, vc, torch.tensor([0, n], dtype=torch.int32, device=DEV), sl[i:i + 1],
             tables[i:i + 1], 0.125)
         assert torch.equal(one, full[rows]), i
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_split_counters_outgrown_buffer_stays_alive(K):
+    """A launch needing more counters than the buffer holds gets a larger one; the old buffer,
+    whose address earlier graphs captured, must stay allocated (and zero)."""
+    first = K.at._split_counters(torch.device(DEV), 1)
+    grown = K.at._split_counters(torch.device(DEV), first.numel() + 1)
+    assert grown.numel() > first.numel() and grown.data_ptr() != first.data_ptr()
+    assert any(t is first for t in K.at._OUTGROWN)
+    assert int(grown.abs().sum()) == 0 and int(first.abs().sum()) == 0
+    assert K.at._split_counters(torch.device(DEV), 1) is grown
