@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .attention_merge_triton import (_MERGE_ELEMENTS, _OUTGROWN, _decode_reduce_kernel,  # noqa: F401
+                                     _merge_splits, _split_counters, _store_normalized)
 from .norm_rope_triton import rotate_pair
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly; there bf16 operands go through fp32.
@@ -237,66 +239,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                     tl.store(counter, 0)
 
 
-@triton.jit
-def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, sl_ptr, G, D, NUM_SPLITS, MIN_TILES,
-                          so0, so1, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
-                          BLOCK_D: tl.constexpr, MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """The merge as its own launch (MERGE=False): program (b, kh) merges the G heads of a row
-    that used several splits; a row of one split already stored its output."""
-    pdl.prologue(PDL)
-    b64 = tl.program_id(0).to(tl.int64)
-    kh64 = tl.program_id(1).to(tl.int64)
-    n_tiles = tl.cdiv(tl.load(sl_ptr + b64), BLOCK_N)
-    n_split = tl.minimum(tl.maximum(tl.cdiv(n_tiles, MIN_TILES), 1), NUM_SPLITS)
-    if n_split > 1:
-        _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, n_split,
-                      tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D, MERGE_SPLITS)
-
-
-@triton.jit
-def _store_normalized(out_ptr, offs, acc, l_i, mask):
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
-    tl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, n_split, HK,
-                  so0, so1, BLOCK_GR: tl.constexpr, BLOCK_D: tl.constexpr, SC: tl.constexpr):
-    """The G heads of (b, kh): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m),
-    over the row's n_split partials, SC splits at a time. Loads bypass L1 (.cg): the partials
-    were written by other SMs during this launch."""
-    g = tl.arange(0, BLOCK_GR)
-    c = tl.arange(0, SC)
-    d = tl.arange(0, BLOCK_D)
-    heads = kh64 * G + g
-    base = (b64 * (G * HK) + heads) * NUM_SPLITS  # [BLOCK_GR]: split 0 of each head
-    gm = g < G
-    m_max = tl.full([BLOCK_GR], float("-inf"), tl.float32)
-    for s0 in range(0, n_split, SC):
-        sm = gm[:, None] & (s0 + c < n_split)[None, :]
-        m = tl.load(pm_ptr + base[:, None] + s0 + c[None, :], mask=sm, other=float("-inf"),
-                    cache_modifier=".cg")
-        m_max = tl.maximum(m_max, tl.max(m, 1))
-    total = tl.zeros([BLOCK_GR], tl.float32)
-    o = tl.zeros([BLOCK_GR, BLOCK_D], tl.float32)
-    for s0 in range(0, n_split, SC):
-        sm = gm[:, None] & (s0 + c < n_split)[None, :]
-        row = base[:, None] + s0 + c[None, :]  # [BLOCK_GR, SC]
-        m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(pl_ptr + row, mask=sm, other=0.0, cache_modifier=".cg")
-        w = tl.where(m > float("-inf"), tl.exp2(m - m_max[:, None]), 0.0)  # empty: weigh 0
-        acc = tl.load(po_ptr + row[:, :, None] * BLOCK_D + d[None, None, :],
-                      mask=sm[:, :, None] & (d < D)[None, None, :], other=0.0,
-                      cache_modifier=".cg")
-        acc = tl.where(w[:, :, None] > 0, acc, 0.0)
-        total += tl.sum(w * l, 1)
-        o += tl.sum(acc * w[:, :, None], 1)
-    o = tl.where(total[:, None] > 0, o / tl.where(total > 0, total, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + b64 * so0 + heads[:, None] * so1 + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (d < D)[None, :])
-
-
 def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_n: int,
                        device: torch.device) -> int:
     """From host-known sizes only: enough programs to fill the GPU a few times over, no more
@@ -483,28 +425,6 @@ MIN_TILES_PER_SPLIT = 1
 # 1.0650 ms against 1.0769 / 1.0742 (tools/decode_variants.py merge-in-kernel / merge-reduce,
 # alternating runs, 2026-11-24).
 MERGE_IN_KERNEL = True
-_MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The ticket counters of the split merge, one per (row, KV head): zero between launches
-    (the last program of each row resets its own). One buffer per device, kept for the
-    process, so captured graphs keep pointing at live, zeroed memory. Launches sharing it must
-    not run concurrently: the engine issues everything on one stream at a time (graph warm-up
-    on a side stream is joined before capture), and a programmatic dependent waits for the
-    launch before it ends before touching memory."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    key = (device.type, index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OUTGROWN.append(buf)  # graphs captured earlier still point at it: keep it alive
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 # ----------------------------------------------------------------------------------------------
