@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rejection import (SALT_DRAFT, draw_from_probs, greedy_accept,
+from ..kernels.rejection import (SALT_DRAFT, draw_from_probs, accept_argmaxes,
                                  rejection_sample_ref, sampling_probs_ref)
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .state import DecodeState, Variant
@@ -67,7 +67,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
             tok = draw_from_probs(q, seeds ^ SALT_DRAFT, steps + j)
             qs.append(q)
         else:  # every row greedy: q would be one-hot on the argmax
-            tok = logits.argmax(-1)
+            tok = draft.model.ops.argmax(logits)
         drafts.append(tok)
     draft_tokens = torch.stack(drafts, dim=1)  # [B, K]
 
@@ -92,7 +92,8 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
         tokens, count = rejection_sample_ref(p.view(bucket, k + 1, -1), torch.stack(qs, dim=1),
                                              draft_tokens, seeds, steps)
     else:
-        tokens, count = greedy_accept(logits.view(bucket, k + 1, -1), draft_tokens)
+        tokens, count = accept_argmaxes(target.ops.argmax(logits).view(bucket, k + 1),
+                                        draft_tokens)
     state.out_tokens[rows] = tokens
     state.out_count[rows] = count
     if variant.logprobs:

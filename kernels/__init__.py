@@ -22,6 +22,7 @@ class Ops:
     decode_attention: Callable
     prefill_attention: Callable
     sample: Callable
+    argmax: Callable  # [N, V] -> int64 [N], first index of the maximum (greedy, speculation)
     mask_stop_tokens: Callable
     logprobs: Callable
     decode_metadata: Callable
@@ -45,6 +46,7 @@ REFERENCE_OPS = Ops(
     decode_attention=attention.paged_decode_attention_ref,
     prefill_attention=attention.paged_prefill_attention_ref,
     sample=sampling.sample_ref,
+    argmax=sampling.argmax_ref,
     mask_stop_tokens=sampling.mask_stop_tokens_ref,
     logprobs=sampling.logprobs_ref,
     decode_metadata=advance.decode_metadata_ref,

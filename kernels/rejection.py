@@ -85,6 +85,11 @@ def greedy_accept(logits: torch.Tensor, draft: torch.Tensor
     accepted while it equals the target's argmax, and the token after the accepted prefix is the
     target's argmax there, so the emitted tokens are the target's argmaxes themselves. Returns
     (tokens [B, K+1], count [B]) like rejection_sample_ref."""
-    target = logits.argmax(-1)
+    return accept_argmaxes(logits.argmax(-1), draft)
+
+
+def accept_argmaxes(target: torch.Tensor, draft: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_accept from the target's argmaxes [B, K+1] (computed by whichever kernel)."""
     accept = (draft == target[:, :-1]).long()
     return target, torch.cumprod(accept, dim=1).sum(1) + 1

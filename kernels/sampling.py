@@ -81,6 +81,11 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return torch.where(greedy, logits.argmax(-1), sampled)
 
 
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> int64 [N]: the first index of each row's maximum (greedy choice)."""
+    return logits.argmax(-1)
+
+
 def mask_stop_tokens_ref(logits: torch.Tensor, stop_ids: torch.Tensor, steps: torch.Tensor,
                          min_tokens: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """min_tokens: rows whose step is below their min_tokens may not emit any id of

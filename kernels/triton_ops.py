@@ -53,6 +53,7 @@ TRITON_OPS = Ops(
     decode_attention=attention_triton.decode_attention,
     prefill_attention=attention_triton.prefill_attention,
     sample=sampling_triton.sample,
+    argmax=sampling_triton.argmax,
     mask_stop_tokens=stop_tokens_triton.mask_stop_tokens,
     logprobs=logprobs_ref,
     decode_metadata=advance_triton.decode_metadata,

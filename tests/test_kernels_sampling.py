@@ -178,3 +178,26 @@ def test_mask_stop_tokens_matches_a_loop(K, dtype, inplace):
         assert (out.data_ptr() == src.data_ptr()) == inplace
         if not inplace:
             assert torch.equal(src, logits)  # the caller's logits are left as they were
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,v", big([(1, 128256), (5, 128256), (9, 5000), (3, 2048)],
+                                    [(1, 5000), (5, 2049), (3, 300)]))
+def test_argmax_matches_torch(K, dtype, n, v):
+    """The speculative iteration's greedy argmax: the first index of each row's maximum, as
+    torch.argmax, with ties across chunks, a row of -inf but one entry, and a NaN."""
+    g = _gen(71 + n)
+    logits = torch.randn(n, v, generator=g)
+    logits[0, [v // 3, v - 1, 5]] = 50.0  # a three-way tie: the first index wins
+    if n > 1:
+        logits[1] = float("-inf")
+        logits[1, v - 2] = -3.0
+    if n > 2:
+        logits[2, v // 2] = float("nan")
+    x = logits.to(DEV, dtype)
+    out = K.st.argmax(x)
+    assert out.dtype == torch.int64
+    assert torch.equal(out.cpu(), x.cpu().argmax(-1))
+    assert out[0].item() == 5

@@ -277,13 +277,15 @@ def test_model_kernels_compile(compiled, monkeypatch):
         ops.sample(torch.randn(b, vocab).to(dtype), torch.tensor([0.0, 0.7, 1.0, 0.9]),
                    torch.tensor([0, 50, 0, 5]), torch.tensor([1.0, 0.9, 0.8, 1.0]),
                    torch.arange(b), torch.arange(b))
+    ops.argmax(torch.randn(b, vocab).to(dtype))
     ops.decode_metadata(torch.arange(b), tables[:b], bs)
     ops.advance(torch.arange(b), torch.arange(b), torch.arange(b), torch.arange(b),
                 torch.tensor([b]))
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_rope_kernel", "_write_kv_kernel",
                 "_silu_mul_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
-                "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel"}
+                "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel",
+                "_argmax_chunk_kernel", "_argmax_reduce_kernel"}
     assert expected <= names, expected - names
     for name, kernel in compiled:  # bf16 tensors are read with vector or async loads; a
         # broadcast vector (a norm weight spread one element per thread) may load as scalars,

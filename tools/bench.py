@@ -337,6 +337,9 @@ def main() -> None:
                     help="decode: who runs the projections (invariant: batch_invariant=True)")
     ap.add_argument("--spec-ks", nargs="+", type=int, default=[1, 2, 4],
                     help="spec: K of the overhead set-ups")
+    ap.add_argument("--spec-setups", nargs="+", default=None,
+                    help="spec: only the set-ups whose names start with these (plain always "
+                         "runs), e.g. speed-up")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="spec: run every set-up on the batch-invariant kernels")
     ap.add_argument("--diagnose", action="store_true",
@@ -356,7 +359,9 @@ def main() -> None:
 
         rows = bench_spec.bench_spec(os.path.join(args.out, "spec.json"),
                                      batches=args.batches or [1, 16, 64], ks=args.spec_ks,
-                                     batch_invariant=args.batch_invariant)
+                                     batch_invariant=args.batch_invariant,
+                                     projections=args.projections[0],
+                                     only=args.spec_setups)
         md = bench_spec.markdown(rows, command)
         with open(os.path.join(args.out, "spec.md"), "w") as f:
             f.write(md + "\n")

@@ -53,11 +53,11 @@ def _run(llm: LLM, batch: int, async_mode: bool, prompt_len: int, new: int) -> d
 
 
 def _engine(spec: SpeculativeConfig | None, batches: list[int], max_len: int,
-            batch_invariant: bool) -> LLM:
+            batch_invariant: bool, projections: str) -> LLM:
     blocks = max(batches) * -(-(max_len + 8) // 16) + 16
     return LLM(TARGET, max_batch=max(batches), buckets=sorted(set(batches)),
                max_model_len=max_len, num_kv_blocks=blocks, speculative=spec,
-               batch_invariant=batch_invariant)
+               batch_invariant=batch_invariant, projections=projections)
 
 
 def _damp(llm: LLM) -> None:
@@ -67,8 +67,11 @@ def _damp(llm: LLM) -> None:
 
 
 def bench_spec(path: str, batches=(1, 16, 64), ks=(1, 2, 4), prompt_len: int = 128,
-               new: int = 128, batch_invariant: bool = False) -> list[dict]:
-    """batch_invariant: every set-up (plain too) on the batch-invariant kernels."""
+               new: int = 128, batch_invariant: bool = False, projections: str = "auto",
+               only: list[str] | None = None) -> list[dict]:
+    """batch_invariant: every set-up (plain too) on the batch-invariant kernels. only: run the
+    set-ups whose names start with one of these (plain always runs: the others are relative
+    to it)."""
     max_len = prompt_len + new + 16
     n_layers = preset(TARGET).num_layers
     setups = [("plain", None, False)]
@@ -76,9 +79,11 @@ def bench_spec(path: str, batches=(1, 16, 64), ks=(1, 2, 4), prompt_len: int = 1
                for k in ks]
     setups += [(f"speed-up self:{DAMP_AFTER} K=4 (damped)", SpeculativeConfig(f"self:{DAMP_AFTER}", 4),
                 True)]
+    if only:
+        setups = [st for st in setups if st[0] == "plain" or st[0].startswith(tuple(only))]
     rows = []
     for name, spec, damped in setups:
-        llm = _engine(spec, list(batches), max_len, batch_invariant)
+        llm = _engine(spec, list(batches), max_len, batch_invariant, projections)
         if damped:
             _damp(llm)
         for batch in batches:

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from graphexec import LLM, SamplingParams  # noqa: E402
+from graphexec import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.capture.state import Variant  # noqa: E402
 
@@ -57,9 +57,13 @@ def _launch_host_us(replay, reps: int) -> list[float]:
 
 
 def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
-                 projections: str = "auto") -> dict:
+                 projections: str = "auto", spec: str | None = None, spec_k: int = 4) -> dict:
+    """spec: a draft ("self:4", a preset or a directory): profile the speculative iteration
+    (all-greedy variant) with spec_k draft tokens instead of plain decode."""
+    speculative = SpeculativeConfig(spec, spec_k) if spec else None
     llm = LLM(model, max_batch=max(batch, 1), max_model_len=prompt_len + 512,
-              buckets=[batch], num_kv_blocks=batch * 48 + 8, projections=projections)
+              buckets=[batch], num_kv_blocks=batch * 48 + 8, projections=projections,
+              speculative=speculative)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -67,7 +71,8 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
     for _ in range(4):  # prefill, then plain decode steps with every row running
         engine.step()
     torch.cuda.synchronize()
-    variant = Variant(logprobs=False, filters=False)
+    # replays advance the rows by up to K + 1 tokens each: stay inside max_tokens and the cache
+    variant = Variant(logprobs=False, filters=False, sampled=spec is None)
     for _ in range(3):
         runner.graphs.replay(batch, variant)
     torch.cuda.synchronize()
@@ -94,7 +99,8 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
                 engine.abort(rid)
         engine.step()
     llm.close()
-    return dict(model=model, batch=batch, kernels_from=source, replay_wall_us=wall_us, kernel_busy_us=busy,
+    return dict(model=model, batch=batch, spec=spec, spec_k=spec_k if spec else None,
+                kernels_from=source, replay_wall_us=wall_us, kernel_busy_us=busy,
                 gap_us=wall_us - busy, kernels_per_step=launches,
                 launch_host_us=dict(mean=sum(launch_us) / len(launch_us), max=max(launch_us),
                                     over_half_step=sum(t > wall_us / 2 for t in launch_us)),
@@ -107,12 +113,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--projections", nargs="+", default=["auto"], choices=PROJECTIONS)
+    ap.add_argument("--spec", default=None,
+                    help="draft of a speculative engine (e.g. self:4): profile its iteration")
+    ap.add_argument("--spec-k", type=int, default=4)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for b, proj in itertools.product(args.batch, args.projections):
-        res = profile_step(args.model, b, args.replays, projections=proj)
-        path = os.path.join(args.out, f"profile_{args.model}_b{b}_{proj}.json")
+        res = profile_step(args.model, b, args.replays, projections=proj, spec=args.spec,
+                           spec_k=args.spec_k)
+        tag = f"_spec{args.spec.replace(':', '')}k{args.spec_k}" if args.spec else ""
+        path = os.path.join(args.out, f"profile_{args.model}_b{b}_{proj}{tag}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
         print(f"{args.model} batch {b} ({proj} projections): replay {res['replay_wall_us']:.1f} us, kernels "
@@ -121,7 +132,7 @@ def main() -> None:
               f"replay in flight): mean {res['launch_host_us']['mean']:.1f} us, max "
               f"{res['launch_host_us']['max']:.1f} us, {res['launch_host_us']['over_half_step']} "
               f"of {args.replays - 1} over half a step")
-        for k in res["kernels"][:25]:
+        for k in res["kernels"][:45]:
             print(f"  {k['us']:9.2f} us  x{k['calls']:5.1f}  {k['name']}")
 
 
