@@ -70,12 +70,18 @@ TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
                                 norm_linear=linear_triton.norm_linear,
                                 silu_mul_linear=linear_triton.silu_mul_linear)
 
+def auto_ops(max_rows: int) -> Ops:
+    """Triton projections up to max_rows rows, cuBLAS above (EngineConfig.projections="auto")."""
+    return replace(
+        TRITON_OPS, name="triton-auto", linear=partial(linear_triton.linear, max_rows=max_rows),
+        norm_linear=partial(linear_triton.norm_linear, max_rows=max_rows),
+        silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=max_rows))
+
+
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection
-# (EngineConfig.projections="auto"; tools/tune_linear.py): above, cuBLAS was as fast or faster.
-TRITON_SINGLE_ROW_OPS = replace(
-    TRITON_OPS, name="triton-auto", linear=partial(linear_triton.linear, max_rows=1),
-    norm_linear=partial(linear_triton.norm_linear, max_rows=1),
-    silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=1))
+# (tools/tune_linear.py): above, cuBLAS was as fast or faster.
+AUTO_MAX_ROWS = 1
+TRITON_SINGLE_ROW_OPS = auto_ops(AUTO_MAX_ROWS)
 
 
 # Per-row results that do not depend on the batch (EngineConfig.batch_invariant): what lets a

@@ -19,6 +19,9 @@ Who runs the projections above one row (the default "auto": cuBLAS; run these at
   lmhead-triton    the LM head (any weight of >= 65536 rows) on Triton up to 64 rows (188 vs
                    196.5 us)
   both-triton      the two together
+  auto-rows1, auto-rows8
+                   "auto" with Triton for every projection up to 1 / 8 rows (a batch-1
+                   speculative verify of K = 4 has 5)
 Decode attention:
   min-tiles1, min-tiles2, min-tiles4, min-tiles8
                    a row takes one more split per this many 64-key tiles of its context (up to
@@ -88,8 +91,15 @@ VARIANTS = {
     "down-triton": lambda: _auto_with(down=True, lm_head=False),
     "lmhead-triton": lambda: _auto_with(down=False, lm_head=True),
     "both-triton": lambda: _auto_with(down=True, lm_head=True),
+    "auto-rows1": lambda: _auto_rows(1),
+    "auto-rows8": lambda: _auto_rows(8),
 }
-OP_SET_VARIANTS = {"down-triton", "lmhead-triton", "both-triton"}
+OP_SET_VARIANTS = {"down-triton", "lmhead-triton", "both-triton", "auto-rows1", "auto-rows8"}
+
+
+def _auto_rows(max_rows: int) -> None:
+    from graphexec.kernels import triton_ops
+    triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.auto_ops(max_rows)
 
 
 def _min_tiles(n: int):
