@@ -110,7 +110,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                          skn0, skn1, svn0, svn1, sc0,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
-                         MERGE_SPLITS: tl.constexpr, MERGE: tl.constexpr, PATCH: tl.constexpr,
+                         MERGE_SPLITS: tl.constexpr, MERGE: tl.constexpr,
                          DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                          PDL: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
@@ -128,13 +128,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
 
     ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
     heads, and the program whose split holds the new token's position rotates k and writes k
-    and v to the row's slot (split 0 writes a token at or past seq_len, which nobody reads).
-    Its loop then takes the new token from registers (PATCH), whatever the load of that row
-    returned, or (without PATCH) reads it back after a CTA barrier. Contract
-    (rope_decode_attention): each row is its own sequence and its slot lies in its own blocks,
-    at the position the block table gives for new_pos, so no program reads another row's new
-    token. Padding rows are the exception that does no harm: they all write identical K/V into
-    the one scratch slot, and their outputs are discarded."""
+    and v to the row's slot before its loop reads them back (split 0 writes a token at or past
+    seq_len, which nobody reads). Contract (rope_decode_attention): each row is its own
+    sequence and its slot lies in its own blocks, so no program reads another row's new token.
+    Padding rows are the exception that does no harm: they all write identical K/V into the
+    one scratch slot and read it back, and their outputs are discarded."""
     pdl.prologue(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -169,23 +167,17 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
         q = q.to(q_ptr.dtype.element_ty)
         new_slot = tl.load(slot_ptr + b).to(tl.int64)
         owner = ((new_pos >= start) & (new_pos < end)) | ((new_pos >= seq_len) & (sp == 0))
-        k_src = kn_ptr + b64 * skn0 + kh64 * skn1 + dh
-        k1, k2 = rotate_pair(tl.load(k_src).to(tl.float32),
-                             tl.load(k_src + HALF).to(tl.float32), cos_v, sin_v)
-        k1 = k1.to(k_ptr.dtype.element_ty)
-        k2 = k2.to(k_ptr.dtype.element_ty)
-        v_new = tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d).to(v_ptr.dtype.element_ty)
-        if PATCH:  # the new token's row as the cache holds it, [k1 | k2] along the head dim
-            k_row = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (BLOCK_D,))
-            patch_pos = tl.where(new_slot >= 0, new_pos, -1)  # no write: nothing to patch
         if owner & (new_slot >= 0):  # a negative slot: no write
+            k_src = kn_ptr + b64 * skn0 + kh64 * skn1 + dh
+            k1, k2 = rotate_pair(tl.load(k_src).to(tl.float32),
+                                 tl.load(k_src + HALF).to(tl.float32), cos_v, sin_v)
             # a flat slot addresses the cache directly (_cache_ok: blocks evenly strided)
             k_dst = k_ptr + new_slot * sks + kh64 * skh + dh
-            tl.store(k_dst, k1)
-            tl.store(k_dst + HALF, k2)
-            tl.store(v_ptr + new_slot * svs + kh64 * svh + d, v_new)
-            if not PATCH:
-                tl.debug_barrier()  # the whole program sees the new token before the loop
+            tl.store(k_dst, k1.to(k_ptr.dtype.element_ty))
+            tl.store(k_dst + HALF, k2.to(k_ptr.dtype.element_ty))
+            v_new = tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d)
+            tl.store(v_ptr + new_slot * svs + kh64 * svh + d, v_new.to(v_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the whole program sees the new token before the loop reads it
     else:
         q = tl.load(q_ptr + b64 * sq0 + heads[:, None] * sq1 + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
@@ -204,13 +196,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                     mask=lmask, other=0.0)
         v = tl.load(v_ptr + (blk * svb + slot * svs + kh64 * svh)[:, None] + d[None, :],
                     mask=lmask, other=0.0)
-        if ROPE:
-            if PATCH:
-                # the new token from registers: its store above may not have landed yet (no
-                # barrier), so whatever the load returned for that row is replaced
-                hit = (pos == patch_pos)[:, None]
-                k = tl.where(hit, k_row[None, :], k)
-                v = tl.where(hit, v_new[None, :], v)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -418,8 +403,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), *rope_strides,
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
-        MERGE_SPLITS=merge_splits, MERGE=merge,
-        PATCH=bool(DECODE_TUNING.get("patch", PATCH_NEW_TOKEN)), DIRECT=direct, IEEE=ieee,
+        MERGE_SPLITS=merge_splits, MERGE=merge, DIRECT=direct, IEEE=ieee,
         ROPE=rope is not None, PDL=dependent, num_warps=num_warps,
         num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
     if not (direct or merge):
@@ -441,10 +425,6 @@ MIN_TILES_PER_SPLIT = 1
 # 1.0650 ms against 1.0769 / 1.0742 (tools/decode_variants.py merge-in-kernel / merge-reduce,
 # alternating runs, 2026-11-24).
 MERGE_IN_KERNEL = True
-# rope_decode_attention: the loop takes the row's new token from registers instead of reading
-# back the store the owner program just made, so no CTA barrier holds the KV loads until the
-# store is visible.
-PATCH_NEW_TOKEN = True
 
 
 # ----------------------------------------------------------------------------------------------

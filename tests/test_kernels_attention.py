@@ -243,28 +243,6 @@ def test_rope_decode_attention_new_token_anywhere(K, splits):
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 3])
-def test_rope_decode_attention_takes_the_new_token_from_registers(K, splits):
-    """PATCH (the default): the loop uses the new token's K/V from registers, never the load of
-    its slot, which may race with the store (there is no barrier). Shown without a race: the
-    store goes to a spare slot the loop never reads, while the position the block table gives
-    holds NaN. The output must still be the reference's, and the spare slots the new K/V."""
-    dtype = torch.bfloat16
-    x = _rope_decode_inputs(dtype, 4, 100, 8, 2, 64, 16, 60)
-    nb, bs = x.kbad.shape[0], x.kbad.shape[1]
-    spare = torch.full((1,) + tuple(x.kbad.shape[1:]), float("nan"), dtype=dtype, device=DEV)
-    kc, vc = torch.cat([x.kbad, spare]), torch.cat([x.vbad, spare])
-    spare_slots = nb * bs + torch.arange(4, device=DEV)
-    out = K.at.decode_attention_splits(x.q, kc, vc, x.tables, x.seq_lens, x.scale, splits,
-                                       rope=(x.k, x.v, x.pos, x.cos, x.sin, spare_slots))
-    _check(out, x.ref, dtype, "attention")  # no NaN: the table's slot was never used
-    for got, want in ((kc, x.kref), (vc, x.vref)):
-        torch.testing.assert_close(got.flatten(0, 1)[spare_slots].float(),
-                                   want.flatten(0, 1)[x.slots].float(), **_tol(dtype))
-
-
-@kernel_test
-@pytest.mark.gpu
 def test_rope_decode_attention_negative_slot_writes_nothing(K):
     """A row whose slot is -1 (no write, as in write_kv) attends to the cache as it is; the
     guard block in front of the cache proves slot -1 was not written either."""

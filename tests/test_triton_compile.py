@@ -199,18 +199,14 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
             assert not re.search(r"ld\.global|cp\.async", _before_wait(kernel.asm["ptx"])), name
 
 
-def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled, monkeypatch):
-    """rope_decode_attention without PATCH (DECODE_TUNING["patch"] = 0): the program that owns
-    a row's new token stores its K/V and then reads the cache in its loop. A CTA barrier between
-    the two makes the stores visible to every thread of the program (generic-proxy loads: plain
-    or cp.async); a TMA load (cp.async.bulk) would also need a proxy fence, so none may appear.
-    If Triton stops streaming the loop with cp.async this test fails and the check must be
-    rewritten for the new loads. (With PATCH, the default, the loop takes the new token from
-    registers: test_kernels_attention checks that on a slot the loop never reads.)"""
-    from graphexec.kernels import attention_triton, rope
+def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled):
+    """rope_decode_attention: the program that owns a row's new token stores its K/V and then
+    reads the cache in its loop. A CTA barrier between the two makes the stores visible to every
+    thread of the program (generic-proxy loads: plain or cp.async); a TMA load (cp.async.bulk)
+    would also need a proxy fence, so none may appear. If Triton stops streaming the loop with
+    cp.async this test fails and the check must be rewritten for the new loads."""
+    from graphexec.kernels import rope
     from graphexec.kernels.attention_triton import decode_attention_splits
-
-    monkeypatch.setitem(attention_triton.DECODE_TUNING, "patch", 0)
 
     t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
     qkv = _bf16(t, (hq + 2 * hk) * d)

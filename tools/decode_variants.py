@@ -29,8 +29,6 @@ Decode attention:
   merge-in-kernel, merge-reduce
                    a row's splits merged by the split kernel's last program, or by a second
                    launch; the default is MERGE_IN_KERNEL
-  patch, no-patch  the fused rope attention takes the new token from registers, or stores it,
-                   passes a CTA barrier and reads it back; the default is PATCH_NEW_TOKEN
 Prints one JSON line: decode step ms, GPU busy ms, roofline fraction, idle fraction.
 """
 from __future__ import annotations
@@ -110,21 +108,15 @@ def _min_tiles(n: int):
 
 
 def _merge(in_kernel: bool):
-    _tuning("merge", int(in_kernel))
-
-
-def _tuning(knob: str, value: int):
     from graphexec.kernels import attention_triton
-    attention_triton.DECODE_TUNING[knob] = value
+    attention_triton.DECODE_TUNING["merge"] = int(in_kernel)
 
 
 # Decode attention (kernels/attention_triton.py): the fewest 64-key tiles a split takes, and
 # where a row's splits are merged
 ATTENTION_VARIANTS = {f"min-tiles{n}": partial(_min_tiles, n) for n in (1, 2, 4, 8)}
 ATTENTION_VARIANTS.update({"merge-in-kernel": partial(_merge, True),
-                           "merge-reduce": partial(_merge, False),
-                           "patch": partial(_tuning, "patch", 1),
-                           "no-patch": partial(_tuning, "patch", 0)})
+                           "merge-reduce": partial(_merge, False)})
 
 
 def _override_one_row(m1: str | None, m1_norm: str | None) -> None:
