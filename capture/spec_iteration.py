@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rejection import (SALT_DRAFT, draw_from_probs, accept_argmaxes,
+from ..kernels.rejection import (SALT_DRAFT, accept_argmaxes, draw_from_probs,
                                  rejection_sample_ref, sampling_probs_ref)
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .state import DecodeState, Variant

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from . import pdl
 
+
 @triton.jit
 def _store_normalized(out_ptr, offs, acc, l_i, mask):
     safe_l = tl.where(l_i > 0, l_i, 1.0)

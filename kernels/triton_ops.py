@@ -70,6 +70,7 @@ TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
                                 norm_linear=linear_triton.norm_linear,
                                 silu_mul_linear=linear_triton.silu_mul_linear)
 
+
 def auto_ops(max_rows: int) -> Ops:
     """Triton projections up to max_rows rows, cuBLAS above (EngineConfig.projections="auto")."""
     return replace(
@@ -79,7 +80,8 @@ def auto_ops(max_rows: int) -> Ops:
 
 
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection
-# (tools/tune_linear.py): above, cuBLAS was as fast or faster.
+# (tools/tune_linear.py): above, cuBLAS was as fast or faster, and Triton up to 8 rows made
+# llama-1b decode steps at batch 4 and 8 about 4% slower (decode_variants auto-rows8).
 AUTO_MAX_ROWS = 1
 TRITON_SINGLE_ROW_OPS = auto_ops(AUTO_MAX_ROWS)
 
