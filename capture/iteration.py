@@ -47,12 +47,11 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
     hidden = model.forward(state.input_ids[rows], state.positions[rows], attn, kv)
     logits = model.compute_logits(hidden)
     out = sample_rows(model, state, rows, logits, variant.logprobs)
-    tokens = out.tokens
-    state.out_tokens[rows, 0] = tokens
     if variant.logprobs:
         state.out_logprob[rows, 0] = out.logprob
         state.out_top_logprobs[rows, 0] = out.top_logprobs
         state.out_top_ids[rows, 0] = out.top_ids
-    # Advance live rows only; padding rows stay inert (position 0, scratch block).
-    ops.advance(tokens, state.input_ids[rows], state.positions[rows], state.steps[rows],
-                state.num_rows)
+    # Advance live rows only; padding rows stay inert (position 0, scratch block). The advance
+    # also stores the tokens into the step's output (no copy launch of its own).
+    ops.advance(out.tokens, state.input_ids[rows], state.positions[rows], state.steps[rows],
+                state.num_rows, sampled_out=state.out_tokens[rows, 0])

@@ -162,7 +162,7 @@ class ModelRunner:
         hidden = self.model.forward(ids_t, pos_t, attn, self.kv)
         if self.draft is not None and not self.draft.shares_target_kv:
             self.draft.model.forward(ids_t, pos_t, attn, self.draft.kv)  # the draft's own KV
-        logits = self.model.compute_logits(hidden[cu_t[1:] - 1])
+        logits = self.model.compute_logits(hidden.rows(cu_t[1:] - 1))
         st.steps[rows_t] = steps_t
         out = sample_rows(self.model, st, rows_t, logits, with_logprobs)
         # New rows continue from their first sampled token, resumed ones from their last token.

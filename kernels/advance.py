@@ -20,9 +20,14 @@ def decode_metadata_ref(positions: torch.Tensor, block_tables: torch.Tensor,
 
 
 def advance_ref(tokens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                steps: torch.Tensor, num_rows: torch.Tensor) -> None:
+                steps: torch.Tensor, num_rows: torch.Tensor,
+                sampled_out: torch.Tensor | None = None) -> None:
     """In place, for rows i < num_rows (a 1-element device tensor): input_ids[i] = tokens[i],
-    positions[i] += 1, steps[i] += 1. Rows past it are left as they are."""
+    positions[i] += 1, steps[i] += 1. Rows past it are left as they are (input id 0).
+    sampled_out, when given (a [B] view, any stride), receives every row's token as sampled:
+    the step's output, written here so it costs no launch of its own."""
+    if sampled_out is not None:
+        sampled_out.copy_(tokens)
     live = (torch.arange(tokens.shape[0], device=tokens.device) < num_rows).long()
     input_ids.copy_(tokens * live)
     positions.add_(live)

@@ -103,6 +103,40 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, bt_row, pos, end, d, dmask, kh64, skb, sks, skh, svb, svs, svh,
+                  BLOCK_SIZE: tl.constexpr):
+    """The keys and values at positions pos (< end) of one KV head, through the block table."""
+    kmask = pos < end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+    slot = (pos % BLOCK_SIZE).to(tl.int64)
+    lmask = kmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + (blk * skb + slot * sks + kh64 * skh)[:, None] + d[None, :],
+                mask=lmask, other=0.0)
+    v = tl.load(v_ptr + (blk * svb + slot * svs + kh64 * svh)[:, None] + d[None, :],
+                mask=lmask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, kmask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax step over a tile holding at least one valid key (kmask)."""
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
                          cnt_ptr, kn_ptr, vn_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
                          qk_scale, G, D, NUM_SPLITS, MIN_TILES,
@@ -112,7 +146,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
                          MERGE_SPLITS: tl.constexpr, MERGE: tl.constexpr,
                          DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
     A row uses n_split = min(NUM_SPLITS, cdiv(tiles, MIN_TILES)) splits, read on the device
     from its length: the context [0, seq_len) is cut into n_split equal runs of whole BLOCK_N
@@ -129,11 +163,19 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
     heads, and the program whose split holds the new token's position rotates k and writes k
     and v to the row's slot before its loop reads them back (split 0 writes a token at or past
-    seq_len, which nobody reads). Contract (rope_decode_attention): each row is its own
-    sequence and its slot lies in its own blocks, so no program reads another row's new token.
+    seq_len, which nobody reads). PREFETCH (with ROPE): the split's first tile is loaded
+    first, before the PDL wait, and the owner puts the new token into it from registers.
+    Contract (rope_decode_attention): each row is its own sequence and its slot lies in its own blocks, so no program reads another row's new token.
     Padding rows are the exception that does no harm: they all write identical K/V into the
     one scratch slot and read it back, and their outputs are discarded."""
-    pdl.prologue(PDL)
+    if not PREFETCH:
+        pdl.prologue(PDL)
+    elif PDL:
+        # Before the wait, read only what the kernels before this forward's first launch wrote:
+        # that launch (the embedding gather) is a normal one, so they have all completed. The
+        # step's metadata (seq_lens, positions, slots, block tables) and every key and value
+        # but the new token's are such; q and the new k, v (the projection just before) are not.
+        pdl.gdc_launch_dependents()
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -152,10 +194,23 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     dmask = d < D
     heads = (kh * G + g).to(tl.int64)
     kh64 = kh.to(tl.int64)
+    bt_row = bt_ptr + b64 * sbt0
+    first = start
+    if PREFETCH:  # the split's first tile, as the loop would load it
+        k_pre, v_pre = _load_kv_tile(k_ptr, v_ptr, bt_row, start + n, end, d, dmask, kh64,
+                                     skb, sks, skh, svb, svs, svh, BLOCK_SIZE)
+        new_pos_pre = tl.load(pos_ptr + b).to(tl.int64)
+        new_slot_pre = tl.load(slot_ptr + b).to(tl.int64)
+        if PDL:
+            pdl.gdc_wait()
+        first = start + BLOCK_N
     if ROPE:  # the wrapper guarantees D == BLOCK_D (a power of two)
         HALF: tl.constexpr = BLOCK_D // 2
         dh = tl.arange(0, HALF)
-        new_pos = tl.load(pos_ptr + b).to(tl.int64)
+        if PREFETCH:
+            new_pos = new_pos_pre
+        else:
+            new_pos = tl.load(pos_ptr + b).to(tl.int64)
         cos_v = tl.load(cos_ptr + new_pos * sc0 + dh)
         sin_v = tl.load(sin_ptr + new_pos * sc0 + dh)
         q_src = q_ptr + b64 * sq0 + heads[:, None] * sq1 + dh[None, :]
@@ -165,19 +220,31 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
         # [r1 | r2] along the head dim, as the separate rope kernel would have stored q
         q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_G, BLOCK_D))
         q = q.to(q_ptr.dtype.element_ty)
-        new_slot = tl.load(slot_ptr + b).to(tl.int64)
+        if PREFETCH:
+            new_slot = new_slot_pre
+        else:
+            new_slot = tl.load(slot_ptr + b).to(tl.int64)
         owner = ((new_pos >= start) & (new_pos < end)) | ((new_pos >= seq_len) & (sp == 0))
         if owner & (new_slot >= 0):  # a negative slot: no write
             k_src = kn_ptr + b64 * skn0 + kh64 * skn1 + dh
             k1, k2 = rotate_pair(tl.load(k_src).to(tl.float32),
                                  tl.load(k_src + HALF).to(tl.float32), cos_v, sin_v)
+            k1 = k1.to(k_ptr.dtype.element_ty)
+            k2 = k2.to(k_ptr.dtype.element_ty)
             # a flat slot addresses the cache directly (_cache_ok: blocks evenly strided)
             k_dst = k_ptr + new_slot * sks + kh64 * skh + dh
-            tl.store(k_dst, k1.to(k_ptr.dtype.element_ty))
-            tl.store(k_dst + HALF, k2.to(k_ptr.dtype.element_ty))
-            v_new = tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d)
-            tl.store(v_ptr + new_slot * svs + kh64 * svh + d, v_new.to(v_ptr.dtype.element_ty))
-            tl.debug_barrier()  # the whole program sees the new token before the loop reads it
+            tl.store(k_dst, k1)
+            tl.store(k_dst + HALF, k2)
+            v_new = tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d).to(v_ptr.dtype.element_ty)
+            tl.store(v_ptr + new_slot * svs + kh64 * svh + d, v_new)
+            if PREFETCH:
+                # the prefetched tile predates the new token: put it in where the tile holds
+                # its position (the row's own slot, by the contract of rope_decode_attention)
+                is_new = ((start + n) == new_pos)[:, None]
+                k_row = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (BLOCK_D,))
+                k_pre = tl.where(is_new, k_row[None, :], k_pre)
+                v_pre = tl.where(is_new, v_new[None, :], v_pre)
+            tl.debug_barrier()  # the whole program sees the new token before the loop
     else:
         q = tl.load(q_ptr + b64 * sq0 + heads[:, None] * sq1 + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
@@ -185,32 +252,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + b64 * sbt0
-    for n0 in range(start, end, BLOCK_N):
+    if PREFETCH:
+        if start < end:
+            m_i, l_i, acc = _attend_tile(q, k_pre, v_pre, (start + n) < end, m_i, l_i, acc,
+                                         qk_scale, IEEE)
+    for n0 in range(first, end, BLOCK_N):
         pos = n0 + n
-        kmask = pos < end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
-        slot = (pos % BLOCK_SIZE).to(tl.int64)
-        lmask = kmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + (blk * skb + slot * sks + kh64 * skh)[:, None] + d[None, :],
-                    mask=lmask, other=0.0)
-        v = tl.load(v_ptr + (blk * svb + slot * svs + kh64 * svh)[:, None] + d[None, :],
-                    mask=lmask, other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, end, d, dmask, kh64,
+                             skb, sks, skh, svb, svs, svh, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k, v, pos < end, m_i, l_i, acc, qk_scale, IEEE)
 
     omask = gmask[:, None] & dmask[None, :]
     if DIRECT:
@@ -250,10 +300,19 @@ def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_
     return max(1, min(splits, max_tiles, 64))
 
 
-def _decode_blocks(d: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N): the head dim padded, and keys per tile."""
+# Batches of at most this many rows take 32-key tiles for head dims <= 64: with few programs
+# in the grid a row is cut into twice the splits, and each split's keys are its prefetched
+# first tile (llama-1b batch 1, H100: 1.0316 / 1.0271 ms a decode step against 1.0341 /
+# 1.0308 with 64-key tiles, alternating runs, tools/decode_variants.py attn-block32).
+SHORT_TILE_MAX_ROWS = 4
+
+
+def _decode_blocks(d: int, rows: int | None = None) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): the head dim padded, and keys per tile. rows: the batch, None for
+    the batch-invariant kernels (whose tiles must not depend on it)."""
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = DECODE_TUNING.get("block_n") or (64 if block_d <= 128 else 32)
+    short = rows is not None and rows <= SHORT_TILE_MAX_ROWS and block_d <= 64
+    block_n = DECODE_TUNING.get("block_n") or (32 if short or block_d > 128 else 64)
     return block_d, block_n
 
 
@@ -275,7 +334,7 @@ def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _, block_n = _decode_blocks(q.shape[-1])
     max_tiles = max(1, triton.cdiv(block_tables.shape[1] * k_cache.shape[1], block_n))
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                   min(max_tiles, INVARIANT_SPLITS))
+                                   min(max_tiles, INVARIANT_SPLITS), invariant=True)
 
 
 INVARIANT_PREFILL_CHUNK = 512  # query tokens per launch: bounds the split workspaces
@@ -333,12 +392,13 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             num_splits: int | None, rope: tuple | None = None,
-                            min_tiles: int | None = None) -> torch.Tensor:
+                            min_tiles: int | None = None, invariant: bool = False
+                            ) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
     shapes. A row uses at most that many splits, and no more than one per min_tiles tiles of
     its context (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
     slot_mapping): q, k unrotated, and the new k, v written by the kernel
-    (rope_decode_attention)."""
+    (rope_decode_attention). invariant: tiles that do not depend on the batch."""
     b, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
     # fused: the cache's dtype (no conversion on write) and a power-of-two head dim (q is
@@ -371,7 +431,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rope_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0))
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
-    block_d, block_n = _decode_blocks(d)
+    block_d, block_n = _decode_blocks(d, None if invariant else b)
     m = block_tables.shape[1]
     if num_splits is None:
         num_splits = _decode_num_splits(b, hk, m, bs, block_n, q.device)
@@ -404,7 +464,9 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), *rope_strides,
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
         MERGE_SPLITS=merge_splits, MERGE=merge, DIRECT=direct, IEEE=ieee,
-        ROPE=rope is not None, PDL=dependent, num_warps=num_warps,
+        ROPE=rope is not None, PDL=dependent,
+        PREFETCH=rope is not None and bool(DECODE_TUNING.get("prefetch", PREFETCH)),
+        num_warps=num_warps,
         num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
     if not (direct or merge):
         _decode_reduce_kernel[(b, hk)](
@@ -425,6 +487,11 @@ MIN_TILES_PER_SPLIT = 1
 # 1.0650 ms against 1.0769 / 1.0742 (tools/decode_variants.py merge-in-kernel / merge-reduce,
 # alternating runs, 2026-11-24).
 MERGE_IN_KERNEL = True
+# The fused rope + attention loads its split's first tile of keys and values (and the row's
+# metadata) first: under programmatic dependent launch that is before it waits for the qkv
+# projection, so the chain seq_len -> block table -> K/V overlaps the projection's tail instead
+# of following it.
+PREFETCH = True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ small kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
 Numerics: bf16/fp16 only (fp32 goes to torch: tensor-core dots would round it to tf32). Given
 one config, a row's result does not depend on M or on the other rows (its sum runs over the same
 K blocks in the same order); pick_config varies the config with M, invariant_config does not.
-The fused norm has the rounding points of kernels/rmsnorm.py, with its mean square summed in
-BLOCK_K pieces (so it may differ from the separate norm kernel in the last bit).
+The fused norm (NORM_ONE_PASS) rounds differently from kernels/rmsnorm.py: the input is rounded
+once, as (x + residual) * norm weight, and the 1 / rms factor scales the fp32 dot products, where
+the separate kernel rounds the normalised row and then its product with the weight; the results
+agree within the dtype's reduction tolerance, not bitwise. The two-pass form keeps rmsnorm.py's
+rounding points, with the mean square summed in BLOCK_K pieces.
 """
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
 # the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
 # launches (tools/tune_linear.py, H100), while at one row they saved 7-10%.
 FUSE_MAX_ROWS = 1
+# The fused norm in one pass over the input: the tiles are multiplied by the norm weight as
+# they stream through the dot loop, each row's sum of squares accumulates alongside, and the
+# dot products are scaled by 1 / rms at the end. The two-pass form (a mean-square pass first,
+# then the input normalised exactly as kernels/rmsnorm.py rounds it) stays for split K, where
+# no program sees the whole row, and for comparison (tools/decode_variants.py).
+NORM_ONE_PASS = True
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -86,6 +95,33 @@ def _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype: tl.const
 
 
 @triton.jit
+def _unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, k_ok, m_ok, writes_sum,
+                        dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """One-pass norm (ONE_PASS): the input tile as (x + residual) * norm weight, rounded once,
+    and the tile's share of each row's sum of squares. The 1 / rms factor is applied to the
+    finished dot products, so the row is read once instead of twice (a mean-square pass, then
+    the loop). One program (writes_sum) stores the residual sum."""
+    xf = _summed_tile(x_rows, r_rows, sum_rows, ks, m_ok[:, None] & k_ok[None, :], writes_sum,
+                      dtype, HAS_RES).to(tl.float32)
+    nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
+    return (xf * nw.to(tl.float32)[None, :]).to(dtype), tl.sum(xf * xf, axis=1)
+
+
+@triton.jit
+def _summed_tile(x_rows, r_rows, sum_rows, ks, mask, writes_sum, dtype: tl.constexpr,
+                 HAS_RES: tl.constexpr):
+    """x + residual for K columns ks, rounded to the dtype (x alone without a residual); the
+    program chosen by writes_sum stores it out as the new residual stream."""
+    xv = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        rv = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
+        xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
+        if writes_sum:
+            tl.store(sum_rows + ks[None, :], xv, mask=mask)
+    return xv
+
+
+@triton.jit
 def _accumulate(acc, xv, wv, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     if BLOCK_M == 1:  # CUDA cores: [BLOCK_N, BLOCK_K] products, summed over K at the end
         acc += wv.to(tl.float32) * xv.to(tl.float32)
@@ -101,7 +137,7 @@ def _accumulate(acc, xv, wv, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
@@ -136,21 +172,17 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         k_start = k_lo + BLOCK_K
 
     rstd = eps  # a placeholder unless NORM
-    if NORM:
-        # Every program needs the whole row's mean square, split or not: one pass over K of the
-        # (small, L2-resident) input. One program also writes the residual sum out.
-        writes_sum = (pid_n == 0) & (pid_k == 0)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # ONE_PASS: each row's sum of squares
+    # one program stores the residual sum (x + residual) of its rows
+    writes_sum = (pid_n == 0) & (pid_k == 0)
+    sum_rows = sum_ptr + rm.to(tl.int64)[:, None] * K
+    if NORM and not ONE_PASS:
+        # Every program needs the whole row's mean square before its first dot (split K, or
+        # the two-pass rounding): one pass over K of the (small, L2-resident) input.
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + rk
-            mask = m_ok[:, None] & (ks < K)[None, :]
-            xv = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-            if HAS_RES:
-                rv = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
-                if writes_sum:
-                    tl.store(sum_ptr + rm.to(tl.int64)[:, None] * K + ks[None, :], xv, mask=mask)
-            xf = xv.to(tl.float32)
+            xf = _summed_tile(x_rows, r_rows, sum_rows, ks, m_ok[:, None] & (ks < K)[None, :],
+                              writes_sum, dtype, HAS_RES).to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
         rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
 
@@ -160,20 +192,32 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PDL:  # the first K block, with the weight tile fetched before the wait
         ks0 = k_lo + rk
-        xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks0, ks0 < k_hi, m_ok, rstd, dtype,
-                         NORM, HAS_RES, GATED)
+        if ONE_PASS:
+            xv, part = _unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks0, ks0 < k_hi,
+                                           m_ok, writes_sum, dtype, HAS_RES)
+            ss += part
+        else:
+            xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks0, ks0 < k_hi, m_ok, rstd, dtype,
+                             NORM, HAS_RES, GATED)
         acc = _accumulate(acc, xv, w_first, BLOCK_M, UPCAST)
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         ks = k0 + rk
         k_ok = ks < k_hi
-        xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype,
-                         NORM, HAS_RES, GATED)
+        if ONE_PASS:
+            xv, part = _unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, k_ok, m_ok,
+                                           writes_sum, dtype, HAS_RES)
+            ss += part
+        else:
+            xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype,
+                             NORM, HAS_RES, GATED)
         wv = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _accumulate(acc, xv, wv, BLOCK_M, UPCAST)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
+    if ONE_PASS:
+        acc = acc * (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -270,6 +314,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         residual.stride(0) if residual is not None else 0,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
+        ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)

@@ -9,9 +9,10 @@ program start-up, and for the projections the first weight tile (weights are nev
 during decode).
 
 GRAPHEXEC_PDL picks the kernels:
-  "all" (the default): the Triton projections, and RMSNorm, rope + KV write, decode attention
-      and silu * mul, which wait first thing and signal their dependents, so the projection
-      after them can fetch its weights while they run (llama-1b batch 1 on an H100: 1.173 ms a
+  "all" (the default): the Triton projections, and RMSNorm, rope + KV write, decode attention,
+      silu * mul and the step's tail after the LM head (stop-token mask, sampling, argmax,
+      advance), which wait first thing and signal their dependents, so the projection after
+      them can fetch its weights while they run (llama-1b batch 1 on an H100: 1.173 ms a
       decode step against 1.192 with "projections", docs/benchmarks.md);
   "projections" (or "1"): the Triton projections only (kernels/linear_triton.py), 2.5-3.3%
       faster decode steps at batch 1 than "off";
@@ -68,10 +69,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def enabled(x: torch.Tensor, projection: bool) -> bool:
+# The tail kernels (after the LM head) as dependents too, under "all"; tools/decode_variants.py
+# turns it off to measure it.
+TAIL = True
+
+
+def enabled(x: torch.Tensor, projection: bool, tail: bool = False) -> bool:
     """Whether a kernel working on x launches as a programmatic dependent. projection: the
-    Triton projections (mode "projections" or "all"); the other kernels need mode "all"."""
-    if mode == "off" or (mode == "projections" and not projection):
+    Triton projections (mode "projections" or "all"); the other kernels need mode "all", and
+    tail kernels (stop-token mask, sampling, argmax, advance) TAIL as well."""
+    if mode == "off" or (mode == "projections" and not projection) or (tail and not TAIL):
         return False
     if not (AVAILABLE and not _INTERPRET and x.is_cuda):
         return False

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import pdl
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 CHUNK = 2048  # kernel 1: entries of a row per program
@@ -172,9 +174,10 @@ _I64_MIN = tl.constexpr(-9223372036854775807 - 1)
 def _chunk_kernel(logits_ptr, stride_b, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr,
                   best_ptr, stats_ptr, top_ptr, next_ptr, V, C,
                   NS: tl.constexpr, SUB: tl.constexpr, RS: tl.constexpr,
-                  PRECISE_LOG: tl.constexpr):
+                  PRECISE_LOG: tl.constexpr, PDL: tl.constexpr):
     """Program (b, c): entries [c * NS * SUB, (c + 1) * NS * SUB) of row b, seen as NS
     sub-chunks of SUB entries (reductions along a sub-chunk run for all NS at once)."""
+    pdl.prologue(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -361,7 +364,8 @@ def _select_kernel(logits_ptr, stride_b, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
                    NS: tl.constexpr, SUB: tl.constexpr, RS: tl.constexpr,
                    BLOCK_C: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
                    SCAN: tl.constexpr, FB_BLOCK: tl.constexpr, FB_RB: tl.constexpr,
-                   PRECISE_LOG: tl.constexpr):
+                   PRECISE_LOG: tl.constexpr, PDL: tl.constexpr):
+    pdl.prologue(PDL)
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     t = tl.load(temp_ptr + b)
@@ -498,19 +502,24 @@ def sample_impl(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     cand_i = _new((b, cap), torch.int32, dev)
     inc = _new((b, block_c * ns), torch.int32, dev)
     precise = (not _INTERPRET) and dev.type == "cuda"
+    dependent = pdl.enabled(logits, projection=False, tail=True)
     _chunk_kernel[(b, c)](logits, logits.stride(0), temperature, top_k, top_p, seeds, steps,
                           best, stats, top, rest, v, c, NS=ns, SUB=sub, RS=top_r,
-                          PRECISE_LOG=precise, num_warps=4)
+                          PRECISE_LOG=precise, PDL=dependent, num_warps=4,
+                          launch_pdl=dependent)
     _select_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, steps,
                          best, stats, top, rest, cand_s, cand_i, inc, out, path, v, c,
                          NS=ns, SUB=sub, RS=top_r, BLOCK_C=block_c, CAP=cap,
                          SMALL_CAP=small_cap, SCAN=scan, FB_BLOCK=fb_block,
-                         FB_RB=fb_radix_bits, PRECISE_LOG=precise, num_warps=select_warps)
+                         FB_RB=fb_radix_bits, PRECISE_LOG=precise, PDL=dependent,
+                         num_warps=select_warps, launch_pdl=dependent)
     return out
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, stride_b, best_ptr, V, C, BLOCK: tl.constexpr):
+def _argmax_chunk_kernel(x_ptr, stride_b, best_ptr, V, C, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -521,7 +530,8 @@ def _argmax_chunk_kernel(x_ptr, stride_b, best_ptr, V, C, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _argmax_reduce_kernel(best_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+def _argmax_reduce_kernel(best_ptr, out_ptr, C, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     cr = tl.arange(0, BLOCK_C)
     best = tl.load(best_ptr + b * C + cr, mask=cr < C, other=_I64_MIN)
@@ -541,10 +551,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         logits = logits.contiguous()
     c = triton.cdiv(v, CHUNK)
     best = _new((n, c), torch.int64, logits.device)
+    dependent = pdl.enabled(logits, projection=False, tail=True)
     _argmax_chunk_kernel[(n, c)](logits, logits.stride(0), best, v, c, BLOCK=CHUNK,
-                                 num_warps=4)
+                                 PDL=dependent, num_warps=4, launch_pdl=dependent)
     _argmax_reduce_kernel[(n,)](best, out, c, BLOCK_C=max(2, triton.next_power_of_2(c)),
-                                num_warps=1)
+                                PDL=dependent, num_warps=1, launch_pdl=dependent)
     return out
 
 

@@ -8,10 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _mask_stop_kernel(logits_ptr, stride_b, stop_ptr, stride_s, steps_ptr, min_ptr, V, S,
-                      BLOCK_S: tl.constexpr):
+                      BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     if tl.load(steps_ptr + b) < tl.load(min_ptr + b):
         s = tl.arange(0, BLOCK_S)
@@ -34,7 +37,8 @@ def mask_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, steps: torch.
         from .sampling import mask_stop_tokens_ref
         return mask_stop_tokens_ref(out, stop_ids, steps, min_tokens, inplace=True)
     s = stop_ids.shape[1]
+    dependent = pdl.enabled(out, projection=False, tail=True)
     _mask_stop_kernel[(b,)](out, out.stride(0), stop_ids, stop_ids.stride(0), steps,
                             min_tokens, v, s, BLOCK_S=max(2, triton.next_power_of_2(s)),
-                            num_warps=1)
+                            PDL=dependent, num_warps=1, launch_pdl=dependent)
     return out

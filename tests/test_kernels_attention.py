@@ -229,10 +229,14 @@ def test_rope_decode_attention(K, dtype, b, ctx, hq, hk, d, bs, splits):
 @kernel_test
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_rope_decode_attention_new_token_anywhere(K, splits):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_rope_decode_attention_new_token_anywhere(K, splits, prefetch, monkeypatch):
     """The program whose split holds the new token's position writes it, wherever it is: the
     last position (a decode step), inside the context (read by an earlier split), or past it
-    (written, read by nobody)."""
+    (written, read by nobody). With the first tile prefetched, a new token inside that tile
+    comes from registers (its slot held NaN when the tile was read), one in a later tile from
+    the cache."""
+    monkeypatch.setitem(K.at.DECODE_TUNING, "prefetch", int(prefetch))
     dtype = torch.float16
     # lengths (_lengths): 1, 200, 16, 17, 31, 199
     x = _rope_decode_inputs(dtype, 6, 200, 8, 2, 64, 16, 80, offsets=[0, -150, -10, 1, -1, 0])

@@ -68,14 +68,23 @@ def test_decode_metadata(K, b, bs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,n", big([(1, 1), (64, 40), (256, 256), (1100, 3)],
                                     [(1, 1), (9, 4), (9, 0)]))
-def test_advance(K, b, n):
+@pytest.mark.parametrize("with_out", [False, True])
+def test_advance(K, b, n, with_out):
+    """The advance against its reference; with sampled_out, every row's token (padding rows
+    too) lands in column 0 of a strided output and nothing else of it is touched."""
     g = _gen(50)
     state = [torch.randint(0, 1000, (b,), generator=g).to(DEV) for _ in range(4)]
     tokens, ids, pos, steps = state
     ref = [t.clone() for t in (ids, pos, steps)]
     num_rows = torch.tensor([n], device=DEV)
-    K.ops.advance(tokens, ids, pos, steps, num_rows)
-    advance.advance_ref(tokens, *ref, num_rows)
-    for got, want in zip((ids, pos, steps), ref):
+    out = torch.full((b, 3), -7, dtype=torch.int64, device=DEV)
+    ref_out = out.clone()
+    K.ops.advance(tokens, ids, pos, steps, num_rows, out[:, 0] if with_out else None)
+    advance.advance_ref(tokens, *ref, num_rows, ref_out[:, 0] if with_out else None)
+    for got, want in zip((ids, pos, steps, out), (*ref, ref_out)):
         assert torch.equal(got, want)
     assert torch.equal(ids[:n], tokens[:n]) and (ids[n:] == 0).all()
+    if with_out:
+        assert torch.equal(out[:, 0], tokens) and (out[:, 1:] == -7).all()
+    else:
+        assert (out == -7).all()

@@ -139,7 +139,7 @@ def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
     from graphexec.kernels import linear_triton as lt
     from graphexec.kernels import pdl
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection: projection)
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: projection)
     h, qkv, inter = 2048, 3072, 8192
     for m in (1, 16):
         x, res = _bf16(m, h), _bf16(m, h)
@@ -164,14 +164,16 @@ def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
 
 
 def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, monkeypatch):
-    """GRAPHEXEC_PDL=all: RMSNorm, rope + KV write, decode attention and silu * mul launch as
-    dependents and wait before any global load or store."""
+    """GRAPHEXEC_PDL=all: RMSNorm, rope + KV write, decode attention, silu * mul and the tail
+    kernels (stop-token mask, sampling, argmax, advance) launch as dependents and wait before
+    any global store, and before any load but the fused attention's
+    prefetch (kernels/attention_triton.py, PREFETCH)."""
     from graphexec.kernels import pdl
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
     from graphexec.kernels import attention_triton
     from graphexec.kernels.attention_triton import decode_attention_splits
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection: True)
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
     t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
     ops.rms_norm(_bf16(t, 2048), _bf16(2048), 1e-5)
     ops.add_rms_norm(_bf16(t, 2048), _bf16(t, 2048), _bf16(2048), 1e-5)
@@ -189,14 +191,35 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 0)  # the reduce launch too
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4)
+    # the step's tail after the LM head
+    logits = _bf16(t, 128256)
+    ops.mask_stop_tokens(logits, torch.zeros(t, 2, dtype=torch.int64), torch.arange(t),
+                         torch.full((t,), 2), inplace=True)
+    ops.sample(logits, torch.rand(t), torch.full((t,), 50), torch.full((t,), 0.9),
+               torch.arange(t), torch.arange(t))
+    ops.argmax(logits)
+    ops.advance(torch.arange(t), torch.arange(t), torch.arange(t), torch.arange(t),
+                torch.tensor([t]), torch.zeros(t, 2, dtype=torch.int64)[:, 0])
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
-                "_decode_split_kernel", "_decode_reduce_kernel"}
+                "_decode_split_kernel", "_decode_reduce_kernel", "_mask_stop_kernel",
+                "_chunk_kernel", "_select_kernel", "_argmax_chunk_kernel",
+                "_argmax_reduce_kernel", "_advance_kernel"}
     assert expected <= names, expected - names
+    prefetching = 0
     for name, kernel in compiled:
         if name in expected:
             assert kernel.metadata.launch_pdl, name
-            assert not re.search(r"ld\.global|cp\.async", _before_wait(kernel.asm["ptx"])), name
+            before = _before_wait(kernel.asm["ptx"])  # no store or atomic in any of them
+            consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
+            if consts.get("PREFETCH"):
+                # the fused rope + attention reads the row's metadata and its first KV tile
+                # (written before the forward began) ahead of the wait
+                prefetching += 1
+                assert re.search(r"ld\.global", before), "the prefetch no longer precedes the wait"
+            else:
+                assert not re.search(r"ld\.global|cp\.async", before), name
+    assert prefetching == 1
 
 
 def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled):

@@ -17,11 +17,27 @@ Who runs the projections above one row (the default "auto": cuBLAS; run these at
   down-triton      the down projection on Triton up to 64 rows (tune_linear: 17.0 vs 17.4 us
                    for cuBLAS's split-K and its reduce kernel at 64 rows)
   lmhead-triton    the LM head (any weight of >= 65536 rows) on Triton up to 64 rows (188 vs
-                   196.5 us)
+                   196.5 us), after the separate norm kernel
   both-triton      the two together
   auto-rows1, auto-rows8
                    "auto" with Triton for every projection up to 1 / 8 rows (a batch-1
                    speculative verify of K = 4 has 5)
+Stop 14 changes, each undone alone (compare with shipped in the same call), and all together:
+  two-pass    the fused norm's mean-square pass before the loop (NORM_ONE_PASS = False)
+  final-norm-separate
+              the final add + RMSNorm as its own kernel before the LM head (one-row batches)
+  no-prefetch the fused attention waits before it reads anything (DECODE_TUNING prefetch 0)
+  tail-not-dependent
+              the kernels after the LM head (stop-token mask, sampling, advance) launch
+              normally, not as programmatic dependents (pdl.TAIL = False)
+  stop13      the four together: the decode step as stop 13 shipped it, but for the sampled
+              tokens' copy, which the advance kernel now does
+  attn-block32, attn-block64
+              decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
+              SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
+  fused-norm64
+              qkv, gate_up and the LM head as Triton projections with the one-pass norm fused
+              in up to 64 rows (run at --batch 64; "auto" runs the norm, then cuBLAS)
 Decode attention:
   min-tiles1, min-tiles2, min-tiles4, min-tiles8
                    a row takes one more split per this many 64-key tiles of its context (up to
@@ -72,12 +88,13 @@ def _auto_with(down: bool, lm_head: bool):
     ops = auto
     if down:
         ops = replace(ops, silu_mul_linear=partial(lt.silu_mul_linear, max_rows=lt.MAX_ROWS))
-    if lm_head:
-        def linear(x, weight, bias=None):
+    if lm_head:  # the LM head is the model's only norm_linear over >= 65536 rows
+        def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
             if weight.shape[0] >= 65536:
-                return lt.linear(x, weight, bias, max_rows=lt.MAX_ROWS)
-            return auto.linear(x, weight, bias)
-        ops = replace(ops, linear=linear)
+                return lt.norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                      max_rows=lt.MAX_ROWS)
+            return auto.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        ops = replace(ops, norm_linear=norm_linear)
     triton_ops.TRITON_SINGLE_ROW_OPS = ops  # select_ops reads it when the engine starts
 
 
@@ -95,6 +112,68 @@ VARIANTS = {
     "auto-rows8": lambda: _auto_rows(8),
 }
 OP_SET_VARIANTS = {"down-triton", "lmhead-triton", "both-triton", "auto-rows1", "auto-rows8"}
+
+
+def _two_pass() -> None:
+    lt.NORM_ONE_PASS = False
+
+
+def _final_norm_separate() -> None:
+    """The LM head (any weight of >= 65536 rows) gets an already normed input."""
+    from dataclasses import replace
+
+    from graphexec.kernels import triton_ops
+
+    auto = triton_ops.TRITON_SINGLE_ROW_OPS
+
+    def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+        if weight.shape[0] < 65536:
+            return auto.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        normed, summed = lt._norm(x, residual, norm_weight, eps)
+        return auto.linear(normed, weight, bias), summed
+    triton_ops.TRITON_SINGLE_ROW_OPS = replace(auto, norm_linear=norm_linear)
+
+
+def _fused_norm_rows(rows: int) -> None:
+    """Every norm + projection (qkv, gate_up, the LM head) as one Triton kernel with the
+    one-pass norm up to `rows` rows; the other projections stay "auto"."""
+    from dataclasses import replace
+
+    from graphexec.kernels import triton_ops
+
+    lt.FUSE_MAX_ROWS = rows
+    triton_ops.TRITON_SINGLE_ROW_OPS = replace(
+        triton_ops.TRITON_SINGLE_ROW_OPS, norm_linear=partial(lt.norm_linear, max_rows=rows))
+
+
+def _no_prefetch() -> None:
+    from graphexec.kernels import attention_triton
+    attention_triton.DECODE_TUNING["prefetch"] = 0
+
+
+def _tail_not_dependent() -> None:
+    from graphexec.kernels import pdl
+    pdl.TAIL = False
+
+
+def _attention_block_n(n: int) -> None:
+    from graphexec.kernels import attention_triton
+    attention_triton.DECODE_TUNING["block_n"] = n
+
+
+def _stop13() -> None:
+    _two_pass()
+    _final_norm_separate()
+    _no_prefetch()
+    _tail_not_dependent()
+
+
+STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
+                   "no-prefetch": _no_prefetch, "stop13": _stop13,
+                   "tail-not-dependent": _tail_not_dependent,
+                   "attn-block32": partial(_attention_block_n, 32),
+                   "attn-block64": partial(_attention_block_n, 64),
+                   "fused-norm64": partial(_fused_norm_rows, 64)}
 
 
 def _auto_rows(max_rows: int) -> None:
@@ -134,7 +213,8 @@ def _override_one_row(m1: str | None, m1_norm: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("variant", choices=list(VARIANTS) + list(ATTENTION_VARIANTS))
+    ap.add_argument("variant",
+                    choices=list(VARIANTS) + list(ATTENTION_VARIANTS) + list(STOP14_VARIANTS))
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
@@ -145,6 +225,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
+    elif args.variant in STOP14_VARIANTS:
+        STOP14_VARIANTS[args.variant]()
     elif args.variant in OP_SET_VARIANTS:
         VARIANTS[args.variant]()
     elif VARIANTS[args.variant] is not None:

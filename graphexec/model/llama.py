@@ -54,6 +54,20 @@ class AttentionInputs:
 
 
 @dataclass
+class FinalHidden:
+    """What the last layer leaves: its output and the residual stream, not yet summed and
+    normed. compute_logits applies the final add + RMSNorm as the LM head's fused prologue, so
+    a one-row step saves that launch; select rows (a prefill's last tokens) with rows()."""
+
+    out: torch.Tensor  # [T, hidden]
+    residual: torch.Tensor | None  # None for a model without layers: out is the embeddings
+
+    def rows(self, index: torch.Tensor) -> FinalHidden:
+        return FinalHidden(self.out[index],
+                           None if self.residual is None else self.residual[index])
+
+
+@dataclass
 class KVCache:
     k: list[torch.Tensor] = field(default_factory=list)  # per layer [blocks, block_size, Hk, D]
     v: list[torch.Tensor] = field(default_factory=list)
@@ -79,9 +93,13 @@ class LlamaModel:
         return self.weights.embed.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
-                kv: KVCache) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
+                kv: KVCache) -> FinalHidden:
+        """input_ids, positions: [T]. Returns the last layer's output before the final norm,
+        which compute_logits applies."""
         cfg, ops, w = self.config, self.ops, self.weights
+        # A normal launch, never a programmatic dependent (kernels/pdl.py): every kernel after
+        # it may read, before its PDL wait, what was written before the forward began (the
+        # step's metadata, the KV of earlier positions); the fused attention does.
         h = F.embedding(input_ids, w.embed)
         residual = None  # the first layer's residual stream starts at the embeddings
         for i, layer in enumerate(w.layers):
@@ -92,14 +110,17 @@ class LlamaModel:
             gate_up, residual = ops.norm_linear(h, residual, layer.post_norm, cfg.rms_norm_eps,
                                                 layer.gate_up)
             h = ops.silu_mul_linear(gate_up, layer.down)
-        x, _ = ops.add_rms_norm(h, residual, w.norm, cfg.rms_norm_eps)
-        return x
+        return FinalHidden(h, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, vocab] in the model's dtype. Every consumer (sampling, logprobs, rejection)
-        upcasts as it reads, which is exact; a separate fp32 copy cost a full extra pass over
-        the logits each step (24 us at batch 64 on llama-1b)."""
-        return self.ops.linear(hidden, self.weights.lm_head)
+    def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:
+        """[T, vocab] in the model's dtype: the final (add +) RMSNorm and the LM head, one op
+        so a kernel may fuse the two. Every consumer (sampling, logprobs, rejection) upcasts
+        as it reads, which is exact; a separate fp32 copy cost a full extra pass over the
+        logits each step (24 us at batch 64 on llama-1b)."""
+        w = self.weights
+        logits, _ = self.ops.norm_linear(hidden.out, hidden.residual, w.norm,
+                                         self.config.rms_norm_eps, w.lm_head)
+        return logits
 
     def _attention(self, qkv, positions, attn: AttentionInputs, layer: LayerWeights,
                    k_cache, v_cache) -> torch.Tensor:
