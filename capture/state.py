@@ -89,8 +89,12 @@ class DecodeState:
         # tokens_per_step tokens per row (K+1 when speculating); out_count says how many.
         w, f32 = tokens_per_step, dict(device=device, dtype=torch.float32)
         self.tokens_per_step = w
-        self.out_tokens = torch.zeros(r, w, **i64)
-        self.out_count = torch.ones(r, **i64)
+        # Tokens and count share one buffer (the count is the last column), so the host reads
+        # both back with one copy a step rather than two.
+        self.out_packed = torch.zeros(r, w + 1, **i64)
+        self.out_tokens = self.out_packed[:, :w]
+        self.out_count = self.out_packed[:, w]
+        self.out_count.fill_(1)
         self.out_logprob = torch.zeros(r, w, **f32)
         self.out_top_logprobs = torch.zeros(r, w, num_logprobs, **f32)
         self.out_top_ids = torch.zeros(r, w, num_logprobs, **i64)

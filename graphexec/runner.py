@@ -40,8 +40,9 @@ class PrefillRow:
 
 @dataclass
 class _D2HSlot:
-    tokens: torch.Tensor  # [rows, W]: decode rows first, then prefill rows
-    count: torch.Tensor  # [rows]
+    packed: torch.Tensor  # [rows, W + 1]: tokens then count (DecodeState.out_packed)
+    tokens: torch.Tensor  # [rows, W] view: decode rows first, then prefill rows
+    count: torch.Tensor  # [rows] view
     logprob: torch.Tensor
     top_logprobs: torch.Tensor
     top_ids: torch.Tensor
@@ -87,9 +88,13 @@ class ModelRunner:
         def pinned(*shape, dtype=torch.int64):
             return torch.empty(*shape, dtype=dtype, pin_memory=cuda)
 
-        self._d2h = [_D2HSlot(pinned(rows, w), pinned(rows), pinned(rows, w, dtype=torch.float32),
-                              pinned(rows, w, n, dtype=torch.float32), pinned(rows, w, n))
-                     for _ in range(d2h_slots)]
+        def slot() -> _D2HSlot:
+            packed = pinned(rows, w + 1)
+            return _D2HSlot(packed, packed[:, :w], packed[:, w],
+                            pinned(rows, w, dtype=torch.float32),
+                            pinned(rows, w, n, dtype=torch.float32), pinned(rows, w, n))
+
+        self._d2h = [slot() for _ in range(d2h_slots)]
         self._next_slot = 0
         self._d2h_waits = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
@@ -184,14 +189,15 @@ class ModelRunner:
             slot.event.synchronize()
         st, r = self.state, self.max_rows + 1
         nb = self.device.type == "cuda"
-        pairs = [(slot.tokens, st.out_tokens, pre.tokens if pre else None),
-                 (slot.count, st.out_count, None)]
+        # (host, decode rows' source, prefill rows' source): tokens and counts in one copy
+        pairs = [(slot.packed, st.out_packed, None),
+                 (slot.tokens, None, pre.tokens if pre else None)]
         if with_logprobs:
             pairs += [(slot.logprob, st.out_logprob, pre.logprob if pre else None),
                       (slot.top_logprobs, st.out_top_logprobs, pre.top_logprobs if pre else None),
                       (slot.top_ids, st.out_top_ids, pre.top_ids if pre else None)]
         for host, dec, pf in pairs:
-            if num_decode:
+            if num_decode and dec is not None:
                 host[:num_decode].copy_(dec[:num_decode], non_blocking=nb)
             if pf is not None:
                 host[r:r + num_prefill, 0].copy_(pf, non_blocking=nb)
