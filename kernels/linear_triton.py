@@ -44,9 +44,6 @@ FUSE_MAX_ROWS = 1
 # then the input normalised exactly as kernels/rmsnorm.py rounds it) stays for split K, where
 # no program sees the whole row, and for comparison (tools/decode_variants.py).
 NORM_ONE_PASS = True
-# Weight tiles a one-row program fetches before its PDL wait (1 or 2; a second only where its
-# K range has one).
-PREFETCH_TILES = 1
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -156,7 +153,7 @@ def _step(acc, ss, wv, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_ok, m_ok, rstd
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, PREFETCH2: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
@@ -187,12 +184,8 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         ks0 = k_lo + rk
         w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < k_hi)[None, :],
                           other=0.0)
-        if PREFETCH2:  # the second tile too
-            ks1 = ks0 + BLOCK_K
-            w_second = tl.load(w_rows + ks1[None, :],
-                               mask=n_ok[:, None] & (ks1 < k_hi)[None, :], other=0.0)
         pdl.gdc_wait()
-        k_start = k_lo + BLOCK_K * (2 if PREFETCH2 else 1)
+        k_start = k_lo + BLOCK_K
 
     rstd = eps  # a placeholder unless NORM
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # ONE_PASS: each row's sum of squares
@@ -213,14 +206,10 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PDL:  # the first K block(s), with the weight tiles fetched before the wait
+    if PDL:  # the first K block, with the weight tile fetched before the wait
         acc, ss = _step(acc, ss, w_first, x_rows, r_rows, nw_ptr, sum_rows, K, ks0, ks0 < k_hi,
                         m_ok, rstd, writes_sum, dtype, NORM, HAS_RES, GATED, ONE_PASS, BLOCK_M,
                         UPCAST)
-        if PREFETCH2:
-            acc, ss = _step(acc, ss, w_second, x_rows, r_rows, nw_ptr, sum_rows, K, ks1,
-                            ks1 < k_hi, m_ok, rstd, writes_sum, dtype, NORM, HAS_RES, GATED,
-                            ONE_PASS, BLOCK_M, UPCAST)
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
@@ -330,8 +319,6 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
-        PREFETCH2=dependent and cfg.block_m == 1 and k_per_split > cfg.block_k
-        and PREFETCH_TILES == 2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)

@@ -85,32 +85,6 @@ def test_silu_mul_linear(K, dtype, m, n, k, config):
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,cols,block_k", big([(3072, 2048, 8, 1024), (2048, 8192, 4, 2048),
-                                                  (130, 200, 8, 64)],
-                                                 [(40, 96, 8, 32), (24, 160, 4, 32)]))
-def test_one_row_with_two_weight_tiles_fetched_before_the_wait(K, monkeypatch, n, k, cols,
-                                                               block_k):
-    """PREFETCH_TILES = 2: a one-row program takes its first two weight tiles before its PDL
-    wait (on sm_90; elsewhere the plain loop runs), then the rest of K; plain, fused-norm and
-    gated projections against the references, K one, two and more tiles long."""
-    monkeypatch.setattr(K.lt, "PREFETCH_TILES", 2)
-    dtype = torch.bfloat16
-    cfg = _cfg(K, 1, cols, block_k, 1)
-    x, res = _randn((1, k), dtype, 21, 3.0), _randn((1, k), dtype, 22, 3.0)
-    nw = (1.0 + 0.2 * _randn((k,), torch.float32, 23)).to(dtype)
-    w = _randn((n, k), dtype, 24, k ** -0.5)
-    _check(K.lt.linear(x, w, config=cfg), _ref_linear(x, w), dtype, "reduction")
-    out, summed = K.lt.norm_linear(x, res, nw, 1e-6, w, config=cfg)
-    normed, _ = norm_ref.add_rms_norm_ref(x, res, nw, 1e-6)
-    _check(out, _ref_linear(normed, w), dtype, "reduction")
-    _check(summed, x + res, dtype)
-    gate_up = _randn((1, 2 * k), dtype, 25)
-    _check(K.lt.silu_mul_linear(gate_up, w, config=cfg),
-           _ref_linear(act_ref.silu_mul_ref(gate_up), w), dtype, "reduction")
-
-
-@kernel_test
-@pytest.mark.gpu
 @pytest.mark.parametrize("config", big([(16, 32, 128, 1), (16, 16, 128, 4), (1, 8, 256, 2)],
                                        [(16, 16, 32, 2), (1, 8, 32, 2)]))
 def test_linear_row_result_does_not_depend_on_batch(K, config):

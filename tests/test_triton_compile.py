@@ -132,17 +132,14 @@ def _before_wait(ptx: str) -> str:
     return before
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch, tiles):
+def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
     """On sm_90 the projections launch as programmatic dependents (kernels/pdl.py): each must
     fetch only weights before griddepcontrol.wait (anything an earlier kernel wrote, or a
-    store, before the wait would race with it), and it signals its own dependents. tiles:
-    PREFETCH_TILES, the weight tiles a one-row program fetches before the wait."""
+    store, before the wait would race with it), and it signals its own dependents."""
     from graphexec.kernels import linear_triton as lt
     from graphexec.kernels import pdl
 
     monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: projection)
-    monkeypatch.setattr(lt, "PREFETCH_TILES", tiles)
     h, qkv, inter = 2048, 3072, 8192
     for m in (1, 16):
         x, res = _bf16(m, h), _bf16(m, h)
@@ -154,11 +151,6 @@ def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch, t
                            config=None if m == 1 else lt.pick_config(m, h, inter))
     kernels = [k for name, k in compiled if name == "_linear_kernel"]
     assert len(kernels) == 6
-    two = [k for k in kernels if k.src.constants.get(
-        (k.src.fn.arg_names.index("PREFETCH2"),))]
-    # one row with K over two tiles: the fused-norm qkv (8 x 1024 of K 2048) and the down
-    # projection (4 x 2048 of K 8192)
-    assert len(two) == (2 if tiles == 2 else 0), len(two)
     for kernel in kernels:
         assert kernel.metadata.launch_pdl
         before = _before_wait(kernel.asm["ptx"])
@@ -167,8 +159,6 @@ def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch, t
         consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
         loads_before = re.findall(r"ld\.global(?:\.\w+)*\.v4|cp\.async", before)
         tile_loads = consts["BLOCK_N"] * consts["BLOCK_K"] // (kernel.metadata.num_warps * 32 * 8)
-        if consts["PREFETCH2"]:
-            tile_loads *= 2
         assert len(loads_before) == tile_loads, (sorted(consts.items()), len(loads_before))
         assert not re.search(r"ld\.global(?!(?:\.\w+)*\.v4)", before)
 

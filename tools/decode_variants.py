@@ -32,7 +32,6 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               normally, not as programmatic dependents (pdl.TAIL = False)
   stop13      the four together: the decode step as stop 13 shipped it, but for the sampled
               tokens' copy, which the advance kernel now does
-  prefetch2   one-row projections fetch two weight tiles before their PDL wait, not one
   attn-block32, attn-block64
               decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
               SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
@@ -174,7 +173,6 @@ STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_sep
                    "tail-not-dependent": _tail_not_dependent,
                    "attn-block32": partial(_attention_block_n, 32),
                    "attn-block64": partial(_attention_block_n, 64),
-                   "prefetch2": partial(setattr, lt, "PREFETCH_TILES", 2),
                    "fused-norm64": partial(_fused_norm_rows, 64)}
 
 
