@@ -465,7 +465,8 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
         MERGE_SPLITS=merge_splits, MERGE=merge, DIRECT=direct, IEEE=ieee,
         ROPE=rope is not None, PDL=dependent,
-        PREFETCH=rope is not None and bool(DECODE_TUNING.get("prefetch", PREFETCH)),
+        PREFETCH=rope is not None and bool(DECODE_TUNING.get("prefetch",
+                                                             b <= PREFETCH_MAX_ROWS)),
         num_warps=num_warps,
         num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
     if not (direct or merge):
@@ -487,11 +488,14 @@ MIN_TILES_PER_SPLIT = 1
 # 1.0650 ms against 1.0769 / 1.0742 (tools/decode_variants.py merge-in-kernel / merge-reduce,
 # alternating runs, 2026-11-24).
 MERGE_IN_KERNEL = True
-# The fused rope + attention loads its split's first tile of keys and values (and the row's
-# metadata) first: under programmatic dependent launch that is before it waits for the qkv
-# projection, so the chain seq_len -> block table -> K/V overlaps the projection's tail instead
-# of following it.
-PREFETCH = True
+# Up to this many rows, the fused rope + attention loads its split's first tile of keys and
+# values (and the row's metadata) first: under programmatic dependent launch that is before it
+# waits for the qkv projection, so the chain seq_len -> block table -> K/V overlaps the
+# projection's tail instead of following it (llama-1b batch 1, H100: 1.034 ms a decode step
+# against 1.052 without). Above, the default qkv projection is cuBLAS, which does not let
+# dependents start early: nothing to overlap, and llama-1b batch 64 measured the same within
+# noise either way (GPU busy 1.548 / 1.568 ms without, 1.584 / 1.556 with, alternating runs).
+PREFETCH_MAX_ROWS = 4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   final-norm-separate
               the final add + RMSNorm as its own kernel before the LM head (one-row batches)
   no-prefetch the fused attention waits before it reads anything (DECODE_TUNING prefetch 0)
+  prefetch-all
+              the fused attention prefetches at every batch size (shipped: up to
+              PREFETCH_MAX_ROWS rows)
   tail-not-dependent
               the kernels after the LM head (stop-token mask, sampling, advance) launch
               normally, not as programmatic dependents (pdl.TAIL = False)
@@ -146,9 +149,13 @@ def _fused_norm_rows(rows: int) -> None:
         triton_ops.TRITON_SINGLE_ROW_OPS, norm_linear=partial(lt.norm_linear, max_rows=rows))
 
 
-def _no_prefetch() -> None:
+def _set_tuning(key: str, value: int) -> None:
     from graphexec.kernels import attention_triton
-    attention_triton.DECODE_TUNING["prefetch"] = 0
+    attention_triton.DECODE_TUNING[key] = value
+
+
+def _no_prefetch() -> None:
+    _set_tuning("prefetch", 0)
 
 
 def _tail_not_dependent() -> None:
@@ -170,6 +177,7 @@ def _stop13() -> None:
 
 STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
+                   "prefetch-all": partial(_set_tuning, "prefetch", 1),
                    "tail-not-dependent": _tail_not_dependent,
                    "attn-block32": partial(_attention_block_n, 32),
                    "attn-block64": partial(_attention_block_n, 64),
