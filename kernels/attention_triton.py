@@ -492,9 +492,10 @@ MERGE_IN_KERNEL = True
 # values (and the row's metadata) first: under programmatic dependent launch that is before it
 # waits for the qkv projection, so the chain seq_len -> block table -> K/V overlaps the
 # projection's tail instead of following it (llama-1b batch 1, H100: 1.034 ms a decode step
-# against 1.052 without). Above, the default qkv projection is cuBLAS, which does not let
-# dependents start early: nothing to overlap, and llama-1b batch 64 measured the same within
+# against 1.052 without). Above one row the default qkv projection is cuBLAS, which does not
+# let dependents start early: nothing to overlap, and llama-1b batch 64 measured the same within
 # noise either way (GPU busy 1.548 / 1.568 ms without, 1.584 / 1.556 with, alternating runs).
+# The limit of 4 follows SHORT_TILE_MAX_ROWS; batches of 2-4 were not measured either way.
 PREFETCH_MAX_ROWS = 4
 
 
