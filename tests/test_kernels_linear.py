@@ -26,9 +26,10 @@ def _ref_linear(x, w, b=None):
 SHAPES = big([(1, 3072, 2048), (1, 2048, 8192), (5, 16384, 2048), (16, 2048, 2048),
               (64, 6144, 4096), (33, 1000, 896), (1, 130, 200)],
              [(1, 40, 96), (3, 37, 160), (17, 24, 64)])
-CONFIGS = big([None, (1, 8, 256, 1), (1, 4, 512, 4), (16, 32, 128, 1), (16, 16, 128, 3),
-               (64, 64, 64, 2)],
-              [None, (1, 8, 32, 1), (1, 4, 32, 3), (16, 16, 32, 2), (64, 16, 32, 1)])
+CONFIGS = big([None, (1, 8, 256, 1), (1, 4, 512, 4), (4, 8, 256, 1), (8, 4, 256, 2),
+               (16, 32, 128, 1), (16, 16, 128, 3), (64, 64, 64, 2)],
+              [None, (1, 8, 32, 1), (1, 4, 32, 3), (4, 8, 32, 1), (2, 4, 32, 2),
+               (16, 16, 32, 2), (64, 16, 32, 1)])
 # block_m 1 is the M == 1 kernel: only paired with one-row shapes. fp16 takes the same code as
 # bf16 but for the element type: the shipped configs only, to keep the GPU suite short.
 CASES = [(dtype, *shape, cfg) for shape in SHAPES for cfg in CONFIGS for dtype in LOW

@@ -112,6 +112,9 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
         lt.norm_linear(x, res, nw, 1e-5, _bf16(qkv, h), _bf16(qkv))
         lt.silu_mul_linear(_bf16(m, 2 * inter), _bf16(h, inter))
         lt.linear_invariant(x, _bf16(qkv, h))
+        if 1 < m <= 8:  # CUDA-core small-row configs
+            lt.linear(x, _bf16(h, h), config=lt.LinearConfig(8, 4, 512))
+            lt.norm_linear(x, res, nw, 1e-5, _bf16(qkv, h), config=lt.LinearConfig(4, 4, 512))
     lt.norm_linear_invariant(_bf16(80, h), _bf16(80, h), _bf16(h), 1e-5, _bf16(h, h))
     names = {name for name, _ in compiled}
     assert {"_linear_kernel", "_split_sum_kernel"} <= names, names

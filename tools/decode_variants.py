@@ -35,6 +35,11 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               normally, not as programmatic dependents (pdl.TAIL = False)
   stop13      the four together: the decode step as stop 13 shipped it, but for the sampled
               tokens' copy, which the advance kernel now does
+  rows8-cuda  Triton projections up to 8 rows, 2-8 rows on CUDA cores (LinearConfig block_m
+              2-8: a weight tile read once for all the program's rows); with --spec, the
+              batch-1 speculative verify's K + 1 rows take it (not measured yet)
+  rows8-auto  Triton up to 8 rows on the shipped configs (tensor cores above one row), the
+              comparison for rows8-cuda
   attn-block32, attn-block64
               decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
               SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
@@ -175,9 +180,27 @@ def _stop13() -> None:
     _tail_not_dependent()
 
 
+def _small_rows_cuda(max_rows: int = 8) -> None:
+    """Triton projections up to max_rows rows, and 2..max_rows rows on the CUDA-core config
+    (BLOCK_M = rows rounded up to a power of two, 4 columns x 512-wide K steps), each weight
+    tile read once for all of a program's rows; norm and activation as separate kernels."""
+    from graphexec.kernels import triton_ops
+
+    shipped = lt.pick_config
+
+    def pick(m, n, k):
+        if 1 < m <= max_rows:
+            return lt.LinearConfig(max(2, 1 << (m - 1).bit_length()), 4, 512)
+        return shipped(m, n, k)
+    lt.pick_config = pick
+    triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.auto_ops(max_rows)
+
+
 STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
                    "prefetch-all": partial(_set_tuning, "prefetch", 1),
+                   "rows8-cuda": _small_rows_cuda,
+                   "rows8-auto": lambda: _auto_rows(8),
                    "tail-not-dependent": _tail_not_dependent,
                    "attn-block32": partial(_attention_block_n, 32),
                    "attn-block64": partial(_attention_block_n, 64),
@@ -230,6 +253,9 @@ def main() -> None:
                     help="one-row projection config for every weight (overrides the variant's)")
     ap.add_argument("--m1-norm", default=None, metavar="COLS,BLOCK_K,WARPS",
                     help="one-row config of the projections with the norm fused in")
+    ap.add_argument("--spec", action="store_true",
+                    help="instead of plain decode: tools/bench_spec.py's damped self:4 K=4 "
+                         "set-up (llama-8b) at --batch, sync and async, against plain decode")
     args = ap.parse_args()
     if args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
@@ -240,6 +266,13 @@ def main() -> None:
     elif VARIANTS[args.variant] is not None:
         lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()
     _override_one_row(args.m1, args.m1_norm)
+    if args.spec:
+        import bench_spec
+
+        for row in bench_spec.bench_spec(os.devnull, batches=[args.batch], ks=[4],
+                                         projections=args.projections, only=["speed-up"]):
+            print(json.dumps(dict(variant=args.variant, **row)))
+        return
     res, llm = bench_graphexec(args.model, "async+graphs", args.batch, 128, 128,
                                copy_bandwidth(), args.batch, projections=args.projections)
     llm.close()
