@@ -54,7 +54,9 @@ def _new(shape, dtype, device) -> torch.Tensor:
 @dataclass(frozen=True)
 class LinearConfig:
     # 1: CUDA-core dot products (M == 1 only); 2-8: CUDA cores, that many rows per program,
-    # each weight tile read once for all of them; >= 16: tensor-core tl.dot
+    # each weight tile read once for all of them (correct and compiled, not yet timed on a GPU:
+    # pick_config never chooses it; tools/decode_variants.py rows8-cuda measures it);
+    # >= 16: tensor-core tl.dot
     block_m: int
     block_n: int
     block_k: int
