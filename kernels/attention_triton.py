@@ -1,4 +1,5 @@
-"""Triton attention over the paged KV cache: write_kv, split-K paged decode, causal varlen prefill.
+"""Triton attention over the paged KV cache: split-K paged decode, causal varlen prefill (write_kv
+lives in kernels/write_kv_triton.py, re-exported here).
 
 Same layout and semantics as kernels/attention.py (the references): cache [num_blocks,
 block_size, Hk, D]; a sequence's token at position p lives in block block_table[p // block_size],
@@ -18,6 +19,7 @@ from . import pdl
 from .attention_merge_triton import (_MERGE_ELEMENTS, _OUTGROWN, _decode_reduce_kernel,  # noqa: F401
                                      _merge_splits, _split_counters, _store_normalized)
 from .norm_rope_triton import rotate_pair
+from .write_kv_triton import _cache_ok, write_kv  # noqa: F401  (write_kv: re-exported)
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly; there bf16 operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -42,58 +44,6 @@ def _sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
-
-
-def _cache_ok(cache: torch.Tensor) -> bool:
-    # Slots of a block must be evenly strided so a flat slot index addresses them.
-    return cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
-
-
-# ----------------------------------------------------------------------------------------------
-# write_kv
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, D,
-                     sk0, sk1, sv0, sv1, skc, skh, svc, svh,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    hs = tl.arange(0, BLOCK_H)
-    ds = tl.arange(0, BLOCK_D)
-    if slot >= 0:  # a negative slot means "no write" (the reference would raise)
-        for h0 in range(0, HK, BLOCK_H):
-            h = (h0 + hs).to(tl.int64)
-            mask = (h[:, None] < HK) & (ds[None, :] < D)
-            k = tl.load(k_ptr + t * sk0 + h[:, None] * sk1 + ds[None, :], mask=mask)
-            v = tl.load(v_ptr + t * sv0 + h[:, None] * sv1 + ds[None, :], mask=mask)
-            tl.store(kc_ptr + slot * skc + h[:, None] * skh + ds[None, :],
-                     k.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc_ptr + slot * svc + h[:, None] * svh + ds[None, :],
-                     v.to(vc_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hk, D]; slot_mapping: [T] flat slot index (block * block_size + offset)."""
-    t = k.shape[0]
-    if t == 0:
-        return
-    if not (_cache_ok(k_cache) and _cache_ok(v_cache)):
-        from .attention import write_kv_ref
-        write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
-        return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    hk, d = k.shape[1], k.shape[2]
-    block_d = triton.next_power_of_2(d)
-    block_h = min(triton.next_power_of_2(hk), max(1, 4096 // block_d))
-    _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, hk, d,
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
-                           v_cache.stride(2), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,13 +502,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
         for n0 in range(0, kv_end, BLOCK_N):
             pos = n0 + n
             kmask = pos < kv_end
-            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
-            slot = (pos % BLOCK_SIZE).to(tl.int64)
-            lmask = kmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + (blk * skb + slot * sks + kh * skh)[:, None] + d[None, :],
-                        mask=lmask, other=0.0)
-            v = tl.load(v_ptr + (blk * svb + slot * svs + kh * svh)[:, None] + d[None, :],
-                        mask=lmask, other=0.0)
+            k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, kv_end, d, dmask, kh,
+                                 skb, sks, skh, svb, svs, svh, BLOCK_SIZE)
             if IEEE:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
                            input_precision="ieee")

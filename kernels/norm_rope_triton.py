@@ -240,7 +240,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """apply_rope then write_kv in one launch: returns the rotated q; the rotated k and v go
     straight into their cache slots (no intermediate k tensor)."""
-    from .attention_triton import _cache_ok
+    from .write_kv_triton import _cache_ok
 
     t, hq, d = q.shape
     hk = k.shape[1]
