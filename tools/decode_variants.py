@@ -37,9 +37,8 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               tokens' copy, which the advance kernel now does
   rows8-cuda  Triton projections up to 8 rows, 2-8 rows on CUDA cores (LinearConfig block_m
               2-8: a weight tile read once for all the program's rows); with --spec, the
-              batch-1 speculative verify's K + 1 rows take it (not measured yet)
-  rows8-auto  Triton up to 8 rows on the shipped configs (tensor cores above one row), the
-              comparison for rows8-cuda
+              batch-1 speculative verify's K + 1 rows take it (not measured yet; compare
+              with auto-rows8, the shipped configs up to 8 rows)
   attn-block32, attn-block64
               decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
               SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
@@ -200,7 +199,6 @@ STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_sep
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
                    "prefetch-all": partial(_set_tuning, "prefetch", 1),
                    "rows8-cuda": _small_rows_cuda,
-                   "rows8-auto": lambda: _auto_rows(8),
                    "tail-not-dependent": _tail_not_dependent,
                    "attn-block32": partial(_attention_block_n, 32),
                    "attn-block64": partial(_attention_block_n, 64),
