@@ -5,6 +5,16 @@ writes only DecodeState, so it is captured per bucket and replayed with no host 
 The verify reuses paged *decode* attention: row r's K+1 queries become K+1 virtual rows that
 share r's block table, each attending up to its own position. Every K/V is written before any
 attention reads it, so the virtual rows see exactly the causal context they should.
+
+A self-draft (the target's first N layers, on the target's KV cache) has already run the
+target's first N layers for every position the verify checks: draft step j took the token at
+pos0 + j through them, attending to the KV those layers hold for the positions before it, which
+is the target's computation of that position up to layer N (the LayerSkip paper's reuse of the
+draft's work in verification). So the verify starts at layer N from the draft steps' states,
+and a (K + 1)-th draft forward, without logits, brings d_K to layer N. The verify reads each
+weight once either way; what changes is that the target's first N layers (and their KV) run
+on the draft's kernels, which round exactly like plain decoding at the same batch size, instead
+of being recomputed over B * (K + 1) rows by kernels that round differently.
 """
 from __future__ import annotations
 
@@ -12,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rejection import (SALT_DRAFT, accept_argmaxes, draw_from_probs,
+from ..kernels.rejection import (SALT_DRAFT, draw_from_probs,
                                  rejection_sample_ref, sampling_probs_ref)
-from ..model.llama import AttentionInputs, KVCache, LlamaModel
+from ..model.llama import AttentionInputs, FinalHidden, KVCache, LlamaModel
 from .state import DecodeState, Variant
 
 
@@ -25,18 +35,24 @@ class DraftModel:
     shares_target_kv: bool  # self-drafting: the target's first layers and their cache
 
 
-def _slots(state: DecodeState, bucket: int, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """pos: [bucket, n] positions -> flat cache slots through each row's block table."""
-    col = (pos // block_size).clamp(max=state.max_cols - 1)
-    block = state.block_tables[:bucket].gather(1, col).long()
-    return block * block_size + pos % block_size
-
-
 def _masked(model: LlamaModel, state: DecodeState, logits: torch.Tensor, bucket: int,
             steps: torch.Tensor) -> torch.Tensor:
     rows = slice(0, bucket)
     return model.ops.mask_stop_tokens(logits, state.stop_ids[rows], steps,
                                       state.min_tokens[rows], inplace=True)
+
+
+def _repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row n times in a row (repeat_interleave over dim 0 in one copy launch: torch's
+    repeat_interleave on CUDA runs a cumsum and a gather)."""
+    return x[:, None].expand(x.shape[0], n, *x.shape[1:]).reshape(x.shape[0] * n, *x.shape[1:])
+
+
+def _interleave(states: list[FinalHidden]) -> FinalHidden:
+    """Draft steps' [B, H] states -> [B * (K + 1), H] in the verify's row order (row r's K + 1
+    positions together)."""
+    return FinalHidden(torch.stack([s.out for s in states], dim=1).flatten(0, 1),
+                       torch.stack([s.residual for s in states], dim=1).flatten(0, 1))
 
 
 def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv: KVCache,
@@ -48,16 +64,21 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     seeds = state.seeds[rows]
     bt = state.block_tables[rows]
 
-    # 1. draft: K tokens per row, each drawn from the draft's distribution q_j
+    # 1. draft: K tokens per row, each drawn from the draft's distribution q_j. Forward k + 1
+    # runs d_K through the draft: its draft KV, and for a self-draft its layer-N state.
+    # Every step's positions, cache slots and key counts in two launches: [K + 1, B], so step
+    # j's are a contiguous row.
+    offs = torch.arange(k + 1, device=state.device)
+    draft_pos = offs[:, None] + pos0[None, :]
+    slots, lens = (t.view(k + 1, bucket) for t in target.ops.decode_metadata(
+        draft_pos.reshape(-1), bt.repeat(k + 1, 1), block_size))
     tok = state.input_ids[rows]
-    drafts, qs = [], []
-    n_draft_forwards = k if draft.shares_target_kv else k + 1  # +1 writes d_K's draft KV
-    for j in range(n_draft_forwards):
-        pos = pos0 + j
-        attn = AttentionInputs(slot_mapping=_slots(state, bucket, pos[:, None], block_size)[:, 0],
-                               block_tables=bt, seq_lens=(pos + 1).to(torch.int32),
+    drafts, qs, states = [], [], []
+    for j in range(k + 1):
+        attn = AttentionInputs(slot_mapping=slots[j], block_tables=bt, seq_lens=lens[j],
                                rows_are_sequences=True)
-        hidden = draft.model.forward(tok, pos, attn, draft.kv)
+        hidden = draft.model.forward(tok, draft_pos[j], attn, draft.kv)
+        states.append(hidden)
         if j == k:
             break
         logits = _masked(draft.model, state, draft.model.compute_logits(hidden), bucket,
@@ -72,40 +93,40 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     draft_tokens = torch.stack(drafts, dim=1)  # [B, K]
 
     # 2. verify: the target over [input, d_1..d_K] at positions pos0..pos0+K
-    offs = torch.arange(k + 1, device=state.device)
-    pos = pos0[:, None] + offs[None, :]
-    ids = torch.cat([state.input_ids[rows][:, None], draft_tokens], dim=1)
-    attn = AttentionInputs(slot_mapping=_slots(state, bucket, pos, block_size).reshape(-1),
-                           block_tables=bt.repeat_interleave(k + 1, dim=0),
-                           seq_lens=(pos + 1).reshape(-1).to(torch.int32))
-    hidden = target.forward(ids.reshape(-1), pos.reshape(-1), attn, kv)
+    pos = (pos0[:, None] + offs[None, :]).reshape(-1)
+    verify_bt = _repeat_rows(bt, k + 1)
+    verify_slots, verify_lens = target.ops.decode_metadata(pos, verify_bt, block_size)
+    attn = AttentionInputs(slot_mapping=verify_slots, block_tables=verify_bt,
+                           seq_lens=verify_lens)
+    if draft.shares_target_kv:
+        hidden = target.forward_layers(_interleave(states), pos, attn, kv,
+                                       first_layer=draft.model.config.num_layers)
+    else:
+        ids = torch.cat([state.input_ids[rows][:, None], draft_tokens], dim=1)
+        hidden = target.forward(ids.reshape(-1), pos, attn, kv)
     raw = target.compute_logits(hidden)  # [B*(K+1), V]
-    rep = lambda x: x.repeat_interleave(k + 1, dim=0)
+    rep = lambda x: _repeat_rows(x, k + 1)
     step_all = (steps[:, None] + offs[None, :]).reshape(-1)
     logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]), step_all,
                                          rep(state.min_tokens[rows]),
                                          inplace=not variant.logprobs)
 
     # 3. accept a prefix, add one corrected or bonus token
+    # (greedy rows: the target's argmaxes, and the count follows from the drafts)
     if variant.sampled:
         p = sampling_probs_ref(logits, rep(temp), rep(top_k), rep(top_p), variant.filters)
         tokens, count = rejection_sample_ref(p.view(bucket, k + 1, -1), torch.stack(qs, dim=1),
                                              draft_tokens, seeds, steps)
     else:
-        tokens, count = accept_argmaxes(target.ops.argmax(logits).view(bucket, k + 1),
-                                        draft_tokens)
-    state.out_tokens[rows] = tokens
-    state.out_count[rows] = count
+        tokens, count = target.ops.argmax(logits).view(bucket, k + 1), None
+    # 4. the step's output; live rows advance by the emitted count, and the last emitted
+    # token is the next input
+    target.ops.spec_advance(tokens, count, draft_tokens, state.input_ids[rows],
+                            state.positions[rows], state.steps[rows], state.num_rows,
+                            state.out_tokens[rows], state.out_count[rows])
     if variant.logprobs:
         chosen, top_vals, top_ids = target.ops.logprobs(raw, tokens.reshape(-1),
                                                         state.out_top_ids.shape[-1])
         state.out_logprob[rows] = chosen.view(bucket, k + 1)
         state.out_top_logprobs[rows] = top_vals.view(bucket, k + 1, -1)
         state.out_top_ids[rows] = top_ids.view(bucket, k + 1, -1)
-
-    # 4. advance live rows by the emitted count; the last emitted token is the next input
-    live = (torch.arange(bucket, device=state.device) < state.num_rows).long()
-    last = tokens.gather(1, (count - 1)[:, None]).squeeze(1)
-    state.input_ids[rows] = last * live
-    state.positions[rows] += count * live
-    state.steps[rows] += count * live

@@ -27,6 +27,7 @@ class Ops:
     logprobs: Callable
     decode_metadata: Callable
     advance: Callable
+    spec_advance: Callable  # a speculative iteration's output and advance (kernels/advance.py)
     linear: Callable  # the projections: (x, weight, bias) -> x @ weight.T + bias
     norm_linear: Callable  # (x, residual, norm_w, eps, weight, bias) -> (proj(norm), sum)
     silu_mul_linear: Callable  # (gate_up, weight, bias) -> proj(silu(gate) * up)
@@ -51,6 +52,7 @@ REFERENCE_OPS = Ops(
     logprobs=sampling.logprobs_ref,
     decode_metadata=advance.decode_metadata_ref,
     advance=advance.advance_ref,
+    spec_advance=advance.spec_advance_ref,
     linear=linear.linear_ref,
     norm_linear=linear.norm_linear_ref,
     silu_mul_linear=linear.silu_mul_linear_ref,

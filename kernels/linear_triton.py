@@ -53,11 +53,7 @@ def _new(shape, dtype, device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LinearConfig:
-    # 1: CUDA-core dot products (M == 1 only); 2-8: CUDA cores, that many rows per program,
-    # each weight tile read once for all of them (correct and compiled, not yet timed on a GPU:
-    # pick_config never chooses it; tools/decode_variants.py rows8-cuda measures it);
-    # >= 16: tensor-core tl.dot
-    block_m: int
+    block_m: int  # 1: CUDA-core dot products (M == 1 only); >= 16: tensor-core tl.dot
     block_n: int
     block_k: int
     split_k: int = 1
@@ -67,10 +63,9 @@ class LinearConfig:
     def __post_init__(self) -> None:
         pow2 = lambda v: v >= 1 and v & (v - 1) == 0
         dims = (self.block_m, self.block_n, self.block_k)
-        tensor_cores = self.block_m >= 16
-        if not all(pow2(v) for v in dims) or (tensor_cores and min(dims) < 16):
+        if not all(pow2(v) for v in dims) or (self.block_m > 1 and min(dims) < 16):
             raise ValueError(f"LinearConfig blocks must be powers of two, and at least 16 for "
-                             f"tensor-core dots (block_m >= 16); got {dims}")
+                             f"tensor-core dots (block_m > 1); got {dims}")
         if self.split_k < 1:
             raise ValueError(f"LinearConfig split_k must be >= 1, got {self.split_k}")
 
@@ -130,8 +125,6 @@ def _summed_tile(x_rows, r_rows, sum_rows, ks, mask, writes_sum, dtype: tl.const
 def _accumulate(acc, xv, wv, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     if BLOCK_M == 1:  # CUDA cores: [BLOCK_N, BLOCK_K] products, summed over K at the end
         acc += wv.to(tl.float32) * xv.to(tl.float32)
-    elif BLOCK_M < 16:  # CUDA cores, a few rows: [BLOCK_M, BLOCK_N] sums of each tile
-        acc += tl.sum(wv.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :], axis=2)
     elif UPCAST:
         acc += tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)), input_precision="ieee")
     else:

@@ -58,6 +58,7 @@ TRITON_OPS = Ops(
     logprobs=logprobs_ref,
     decode_metadata=advance_triton.decode_metadata,
     advance=advance_triton.advance,
+    spec_advance=advance_triton.spec_advance,
     linear=linear_ref,  # cuBLAS
     norm_linear=linear_triton.norm_then_linear,
     silu_mul_linear=linear_triton.silu_mul_then_linear,
@@ -71,11 +72,28 @@ TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
                                 silu_mul_linear=linear_triton.silu_mul_linear)
 
 
+# The widest weight (the LM head) stays on Triton up to WIDE_MAX_ROWS rows, after the separate
+# norm kernel: tools/tune_linear.py measured 347.5 against cuBLAS's 375.5 us at 5 rows for
+# llama-8b's LM head and 179.3 against 190.4 at 16 rows for llama-1b's, and a batch-1
+# speculative verify has K + 1 <= 9 rows. At 64 rows cuBLAS won inside the decode step.
+WIDE_WEIGHT_ROWS = 65536
+WIDE_MAX_ROWS = 16
+
+
+def _auto_norm_linear(x, residual, norm_weight, eps, weight, bias=None, *, max_rows: int):
+    if weight.shape[0] >= WIDE_WEIGHT_ROWS and max_rows < x.shape[0] <= WIDE_MAX_ROWS:
+        normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
+        return linear_triton.linear(normed, weight, bias, max_rows=WIDE_MAX_ROWS), summed
+    return linear_triton.norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                     max_rows=max_rows)
+
+
 def auto_ops(max_rows: int) -> Ops:
-    """Triton projections up to max_rows rows, cuBLAS above (EngineConfig.projections="auto")."""
+    """Triton projections up to max_rows rows, cuBLAS above (EngineConfig.projections="auto"),
+    but for the LM head (WIDE_MAX_ROWS)."""
     return replace(
         TRITON_OPS, name="triton-auto", linear=partial(linear_triton.linear, max_rows=max_rows),
-        norm_linear=partial(linear_triton.norm_linear, max_rows=max_rows),
+        norm_linear=partial(_auto_norm_linear, max_rows=max_rows),
         silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=max_rows))
 
 

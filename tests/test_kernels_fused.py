@@ -66,6 +66,20 @@ def test_decode_metadata(K, b, bs):
 
 @kernel_test
 @pytest.mark.gpu
+def test_decode_metadata_past_the_table_maps_into_its_last_column(K):
+    """A speculative step drafts up to K positions past a row's context limit: those land in
+    the table's last column (the scratch block), never outside the table."""
+    cols, bs = 3, 8
+    tables = torch.tensor([[5, 6, 7], [9, 10, 11]], dtype=torch.int32).to(DEV)
+    pos = torch.tensor([cols * bs + 2, cols * bs * 4 + 5], dtype=torch.int64).to(DEV)
+    for slots, lens in (K.ops.decode_metadata(pos, tables, bs),
+                        advance.decode_metadata_ref(pos, tables, bs)):
+        assert slots.tolist() == [7 * bs + 2, 11 * bs + 5]
+        assert lens.tolist() == [cols * bs + 3, cols * bs * 4 + 6]
+
+
+@kernel_test
+@pytest.mark.gpu
 @pytest.mark.parametrize("b,n", big([(1, 1), (64, 40), (256, 256), (1100, 3)],
                                     [(1, 1), (9, 4), (9, 0)]))
 @pytest.mark.parametrize("with_out", [False, True])
@@ -88,3 +102,50 @@ def test_advance(K, b, n, with_out):
         assert torch.equal(out[:, 0], tokens) and (out[:, 1:] == -7).all()
     else:
         assert (out == -7).all()
+
+
+def test_spec_advance_reference_by_hand():
+    """Row 0 accepts one of two drafts (count 2), row 1 both (count 3, the bonus token), row 2
+    is padding: the output holds every row, the state moves for live rows only."""
+    tokens = torch.tensor([[5, 6, 7], [1, 2, 3], [4, 4, 4]])
+    draft = torch.tensor([[5, 9], [1, 2], [4, 4]])
+    ids, pos, steps = torch.zeros(3, dtype=torch.int64), torch.tensor([10, 20, 0]), \
+        torch.tensor([1, 2, 0])
+    out_tokens, out_count = torch.full((3, 3), -1), torch.full((3,), -1)
+    advance.spec_advance_ref(tokens, None, draft, ids, pos, steps, torch.tensor([2]),
+                             out_tokens, out_count)
+    assert out_count.tolist() == [2, 3, 3] and torch.equal(out_tokens, tokens)
+    assert ids.tolist() == [6, 3, 0]
+    assert pos.tolist() == [12, 23, 0] and steps.tolist() == [3, 5, 0]
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,k,n", big([(1, 4, 1), (64, 4, 50), (16, 8, 16), (300, 1, 7)],
+                                      [(1, 4, 1), (9, 3, 5), (4, 1, 0)]))
+@pytest.mark.parametrize("greedy", [True, False])
+def test_spec_advance(K, b, k, n, greedy):
+    """The speculative advance against its reference: drafts that match the target's argmaxes
+    for a random prefix (every count from 1 to K + 1 occurs), or given counts (sampled rows);
+    the outputs are strided views of wider buffers, poisoned."""
+    g = _gen(60)
+    tokens = torch.randint(0, 50, (b, k + 1), generator=g)
+    match = torch.randint(0, k + 1, (b,), generator=g)  # leading drafts that match
+    draft = torch.where(torch.arange(k)[None, :] < match[:, None], tokens[:, :k],
+                        tokens[:, :k] + 1)
+    count = None if greedy else torch.randint(1, k + 2, (b,), generator=g).to(DEV)
+    tokens, draft = tokens.to(DEV), draft.to(DEV)
+    state = [torch.randint(0, 1000, (b,), generator=g).to(DEV) for _ in range(3)]
+    ref_state = [t.clone() for t in state]
+    num_rows = torch.tensor([n], device=DEV)
+    out = torch.full((b, k + 3), -7, dtype=torch.int64, device=DEV)
+    out_count = torch.full((b, 2), -7, dtype=torch.int64, device=DEV)
+    ref_out, ref_count = out.clone(), out_count.clone()
+    K.ops.spec_advance(tokens, count, draft, *state, num_rows, out[:, :k + 1], out_count[:, 0])
+    advance.spec_advance_ref(tokens, count, draft, *ref_state, num_rows, ref_out[:, :k + 1],
+                             ref_count[:, 0])
+    for got, want in zip((*state, out, out_count), (*ref_state, ref_out, ref_count)):
+        assert torch.equal(got, want)
+    assert (out[:, k + 1:] == -7).all() and (out_count[:, 1] == -7).all()
+    if greedy:
+        assert torch.equal(out_count[:, 0].cpu(), match + 1)

@@ -26,10 +26,9 @@ def _ref_linear(x, w, b=None):
 SHAPES = big([(1, 3072, 2048), (1, 2048, 8192), (5, 16384, 2048), (16, 2048, 2048),
               (64, 6144, 4096), (33, 1000, 896), (1, 130, 200)],
              [(1, 40, 96), (3, 37, 160), (17, 24, 64)])
-CONFIGS = big([None, (1, 8, 256, 1), (1, 4, 512, 4), (4, 8, 256, 1), (8, 4, 256, 2),
-               (16, 32, 128, 1), (16, 16, 128, 3), (64, 64, 64, 2)],
-              [None, (1, 8, 32, 1), (1, 4, 32, 3), (4, 8, 32, 1), (2, 4, 32, 2),
-               (16, 16, 32, 2), (64, 16, 32, 1)])
+CONFIGS = big([None, (1, 8, 256, 1), (1, 4, 512, 4), (16, 32, 128, 1), (16, 16, 128, 3),
+               (64, 64, 64, 2)],
+              [None, (1, 8, 32, 1), (1, 4, 32, 3), (16, 16, 32, 2), (64, 16, 32, 1)])
 # block_m 1 is the M == 1 kernel: only paired with one-row shapes. fp16 takes the same code as
 # bf16 but for the element type: the shipped configs only, to keep the GPU suite short.
 CASES = [(dtype, *shape, cfg) for shape in SHAPES for cfg in CONFIGS for dtype in LOW
@@ -158,6 +157,30 @@ def test_single_row_projections_use_cublas_above_one_row(K):
     normed, _ = norm_ref.add_rms_norm_ref(x[:1], res[:1], nw, 1e-6)
     _check(lt.norm_linear(x[:1], res[:1], nw, 1e-6, w, max_rows=1)[0], _ref_linear(normed, w),
            torch.bfloat16, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_auto_lm_head_stays_on_triton_up_to_wide_max_rows(K, monkeypatch):
+    """projections="auto": the widest weight (the LM head) takes the norm kernel and then the
+    Triton projection from 2 to WIDE_MAX_ROWS rows (a speculative verify), cuBLAS above; other
+    weights take cuBLAS from 2 rows."""
+    from graphexec.kernels import triton_ops
+
+    n, k = big((1024, 2048), (40, 128))
+    monkeypatch.setattr(triton_ops, "WIDE_WEIGHT_ROWS", n)
+    monkeypatch.setattr(triton_ops, "WIDE_MAX_ROWS", 4)
+    lt, op = K.lt, triton_ops.auto_ops(1).norm_linear
+    w, nw = _randn((n, k), torch.bfloat16, 24, k ** -0.5), _randn((k,), torch.bfloat16, 22)
+    for m in (3, 4, 5):
+        x, res = _randn((m, k), torch.bfloat16, 20), _randn((m, k), torch.bfloat16, 21)
+        normed, summed = lt._norm(x, res, nw, 1e-6)
+        want = (lt.linear(normed, w, config=lt.pick_config(m, n, k)) if m <= 4
+                else torch.nn.functional.linear(normed, w))
+        got = op(x, res, nw, 1e-6, w)
+        assert torch.equal(got[0], want) and torch.equal(got[1], summed)
+        narrow = op(x, res, nw, 1e-6, w[:n // 2])  # not the widest weight: cuBLAS
+        assert torch.equal(narrow[0], torch.nn.functional.linear(normed, w[:n // 2]))
 
 
 @kernel_test

@@ -112,9 +112,6 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
         lt.norm_linear(x, res, nw, 1e-5, _bf16(qkv, h), _bf16(qkv))
         lt.silu_mul_linear(_bf16(m, 2 * inter), _bf16(h, inter))
         lt.linear_invariant(x, _bf16(qkv, h))
-        if 1 < m <= 8:  # CUDA-core small-row configs
-            lt.linear(x, _bf16(h, h), config=lt.LinearConfig(8, 4, 512))
-            lt.norm_linear(x, res, nw, 1e-5, _bf16(qkv, h), config=lt.LinearConfig(4, 4, 512))
     lt.norm_linear_invariant(_bf16(80, h), _bf16(80, h), _bf16(h), 1e-5, _bf16(h, h))
     names = {name for name, _ in compiled}
     assert {"_linear_kernel", "_split_sum_kernel"} <= names, names
@@ -203,11 +200,15 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     ops.argmax(logits)
     ops.advance(torch.arange(t), torch.arange(t), torch.arange(t), torch.arange(t),
                 torch.tensor([t]), torch.zeros(t, 2, dtype=torch.int64)[:, 0])
+    packed = torch.zeros(t, 6, dtype=torch.int64)  # the speculative step's tail
+    ops.spec_advance(torch.zeros(t, 5, dtype=torch.int64), None,
+                     torch.zeros(t, 4, dtype=torch.int64), torch.arange(t), torch.arange(t),
+                     torch.arange(t), torch.tensor([t]), packed[:, :5], packed[:, 5])
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
                 "_decode_split_kernel", "_decode_reduce_kernel", "_mask_stop_kernel",
                 "_chunk_kernel", "_select_kernel", "_argmax_chunk_kernel",
-                "_argmax_reduce_kernel", "_advance_kernel"}
+                "_argmax_reduce_kernel", "_advance_kernel", "_spec_advance_kernel"}
     assert expected <= names, expected - names
     prefetching = 0
     for name, kernel in compiled:

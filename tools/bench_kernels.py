@@ -341,13 +341,68 @@ def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
     return results
 
 
+def bench_forward(model: str = "llama-1b", batch: int = 1, context: int = 192,
+                  copy_gbps: float | None = None) -> dict:
+    """The decode forward alone, as the issue-3 goal states it: embedding through the LM head's
+    logits for `batch` rows at `context` tokens each (the new one included), 20 forwards
+    captured back to back in one CUDA graph and replayed. No sampling, stop-token mask or
+    advance (tools/bench.py decode times whole steps with those). Roofline: weights + the rows'
+    KV bytes over the copy bandwidth, as in tools/bench.py (weights = every parameter once)."""
+    from graphexec import LLM
+    from graphexec.model import preset
+    from graphexec.model.llama import AttentionInputs
+    from graphexec.engine import kv_bytes_per_block
+
+    copy_gbps = copy_gbps or _copy_bandwidth()["GB_per_s"]
+    mc, bs = preset(model), 16
+    cols = -(-context // bs)
+    llm = LLM(model, max_batch=batch, num_kv_blocks=batch * cols + 16,
+              max_model_len=context + 16, cuda_graphs=False, async_scheduling=False)
+    eng = llm.engine
+    for cache in (*eng.kv.k, *eng.kv.v):  # written KV is finite; the values do not matter
+        cache.normal_()
+    dev = torch.device(eng.config.device)
+    tables = torch.arange(batch * cols, dtype=torch.int32, device=dev).view(batch, cols)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=dev)
+    ids = torch.randint(3, mc.vocab_size, (batch,), device=dev)
+    slots, seq_lens = eng.model.ops.decode_metadata(positions, tables, bs)
+    attn = AttentionInputs(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                           rows_are_sequences=True)
+    out = {}
+
+    def forward():
+        out["logits"] = eng.model.compute_logits(eng.model.forward(ids, positions, attn, eng.kv))
+    us = _graph_time_us(forward, reps=20)
+    assert torch.isfinite(out["logits"].float()).all(), "forward produced non-finite logits"
+    nbytes = mc.num_parameters() * 2 + batch * context * kv_bytes_per_block(
+        mc, bs, torch.bfloat16) / bs
+    roofline_us = nbytes / (copy_gbps * 1e9) * 1e6
+    llm.close()
+    return dict(model=model, batch=batch, context=context, forward_us=us,
+                roofline_us=roofline_us, vs_roofline=us / roofline_us, copy_GB_per_s=copy_gbps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--forward", nargs="*", metavar="MODEL", default=None,
+                    help="instead: the decode forward alone at batch 1, context 192 (the "
+                         "issue-3 goal; default llama-1b), printed as JSON lines")
     ap.add_argument("--sweep-attention", action="store_true",
                     help="instead: decode attention under alternative launch configs")
     args = ap.parse_args()
-    if args.sweep_attention:
+    if args.forward is not None:
+        from bench import copy_bandwidth  # tools/bench.py's copy (uint8, events)
+
+        # the faster of the two copies: the stricter roofline
+        copy_gbps = max(_copy_bandwidth()["GB_per_s"], copy_bandwidth() / 1e9)
+        rows = [bench_forward(m, copy_gbps=copy_gbps) for m in args.forward or ["llama-1b"]]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    elif args.sweep_attention:
         sweep_attention(args.out)
     else:
         bench_kernels(args.out)

@@ -35,10 +35,12 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               normally, not as programmatic dependents (pdl.TAIL = False)
   stop13      the four together: the decode step as stop 13 shipped it, but for the sampled
               tokens' copy, which the advance kernel now does
-  rows8-cuda  Triton projections up to 8 rows, 2-8 rows on CUDA cores (LinearConfig block_m
-              2-8: a weight tile read once for all the program's rows); with --spec, the
-              batch-1 speculative verify's K + 1 rows take it (not measured yet; compare
-              with auto-rows8, the shipped configs up to 8 rows)
+  lmhead-cublas
+              the LM head on cuBLAS from 2 rows (shipped: Triton up to WIDE_MAX_ROWS rows)
+  small-o, small-o-lmhead, small-o-lmhead-qkv, small-o-lmhead-qkv-down
+              2-16 rows: those projections on the shipped tensor-core Triton configs (with
+              programmatic dependent launch), the others on cuBLAS (run with --spec, and at
+              --batch 4 / 16)
   attn-block32, attn-block64
               decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
               SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
@@ -179,30 +181,60 @@ def _stop13() -> None:
     _tail_not_dependent()
 
 
-def _small_rows_cuda(max_rows: int = 8) -> None:
-    """Triton projections up to max_rows rows, and 2..max_rows rows on the CUDA-core config
-    (BLOCK_M = rows rounded up to a power of two, 4 columns x 512-wide K steps), each weight
-    tile read once for all of a program's rows; norm and activation as separate kernels."""
+def _small_rows_triton(which: str, max_rows: int = 16) -> None:
+    """2..max_rows rows: the projections named in `which` (o: the square weights; lm_head:
+    weights of >= 65536 rows, after the separate norm; qkv; down) on the shipped tensor-core
+    Triton configs, the others as shipped (tune_linear, llama-8b at 5 rows: Triton o 16.1 vs
+    cuBLAS 16.6 us, LM head 347.5 vs 375.5, gate_up 89.5 vs 82.6)."""
+    from dataclasses import replace
+
     from graphexec.kernels import triton_ops
 
-    shipped = lt.pick_config
+    auto = triton_ops.TRITON_SINGLE_ROW_OPS
+    names = set(which.split("+"))
 
-    def pick(m, n, k):
-        if 1 < m <= max_rows:
-            return lt.LinearConfig(max(2, 1 << (m - 1).bit_length()), 4, 512)
-        return shipped(m, n, k)
-    lt.pick_config = pick
-    triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.auto_ops(max_rows)
+    def small(x):
+        return 1 < x.shape[0] <= max_rows
+
+    def linear(x, weight, bias=None):
+        if small(x) and "o" in names and weight.shape[0] == weight.shape[1]:
+            return lt.linear(x, weight, bias, max_rows=max_rows)
+        return auto.linear(x, weight, bias)
+
+    def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+        wide = weight.shape[0] >= 65536
+        qkv = not wide and weight.shape[0] < 4 * x.shape[1]  # gate_up is 2 x intermediate
+        if small(x) and (("lm_head" in names and wide) or ("qkv" in names and qkv)):
+            normed, summed = lt._norm(x, residual, norm_weight, eps)
+            return lt.linear(normed, weight, bias, max_rows=max_rows), summed
+        return auto.norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def silu_mul_linear(gate_up, weight, bias=None):
+        if small(gate_up) and "down" in names:
+            return lt.silu_mul_linear(gate_up, weight, bias, max_rows=max_rows)
+        return auto.silu_mul_linear(gate_up, weight, bias)
+    triton_ops.TRITON_SINGLE_ROW_OPS = replace(auto, linear=linear, norm_linear=norm_linear,
+                                               silu_mul_linear=silu_mul_linear)
+
+
+def _lm_head_cublas() -> None:
+    from graphexec.kernels import triton_ops
+    triton_ops.WIDE_MAX_ROWS = triton_ops.AUTO_MAX_ROWS
 
 
 STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
                    "prefetch-all": partial(_set_tuning, "prefetch", 1),
-                   "rows8-cuda": _small_rows_cuda,
                    "tail-not-dependent": _tail_not_dependent,
                    "attn-block32": partial(_attention_block_n, 32),
                    "attn-block64": partial(_attention_block_n, 64),
-                   "fused-norm64": partial(_fused_norm_rows, 64)}
+                   "fused-norm64": partial(_fused_norm_rows, 64),
+                   "lmhead-cublas": _lm_head_cublas,
+                   "small-o": partial(_small_rows_triton, "o"),
+                   "small-o-lmhead": partial(_small_rows_triton, "o+lm_head"),
+                   "small-o-lmhead-qkv": partial(_small_rows_triton, "o+lm_head+qkv"),
+                   "small-o-lmhead-qkv-down": partial(_small_rows_triton,
+                                                      "o+lm_head+qkv+down")}
 
 
 def _auto_rows(max_rows: int) -> None:

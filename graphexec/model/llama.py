@@ -96,13 +96,22 @@ class LlamaModel:
                 kv: KVCache) -> FinalHidden:
         """input_ids, positions: [T]. Returns the last layer's output before the final norm,
         which compute_logits applies."""
-        cfg, ops, w = self.config, self.ops, self.weights
+        w = self.weights
         # A normal launch, never a programmatic dependent (kernels/pdl.py): every kernel after
         # it may read, before its PDL wait, what was written before the forward began (the
         # step's metadata, the KV of earlier positions); the fused attention does.
         h = F.embedding(input_ids, w.embed)
-        residual = None  # the first layer's residual stream starts at the embeddings
-        for i, layer in enumerate(w.layers):
+        # the first layer's residual stream starts at the embeddings
+        return self.forward_layers(FinalHidden(h, None), positions, attn, kv)
+
+    def forward_layers(self, hidden: FinalHidden, positions: torch.Tensor,
+                       attn: AttentionInputs, kv: KVCache, first_layer: int = 0) -> FinalHidden:
+        """Layers first_layer.. on the state `hidden` that the layers before it left (the
+        embeddings, with residual None, for layer 0). The speculative verify starts after a
+        self-draft's layers (capture/spec_iteration.py)."""
+        cfg, ops, w = self.config, self.ops, self.weights
+        h, residual = hidden.out, hidden.residual
+        for i, layer in enumerate(w.layers[first_layer:], start=first_layer):
             # Each norm feeds exactly one projection: one op, so a kernel may fuse the two.
             qkv, residual = ops.norm_linear(h, residual, layer.input_norm, cfg.rms_norm_eps,
                                             layer.qkv, layer.qkv_bias)
