@@ -72,6 +72,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     draft_pos = offs[:, None] + pos0[None, :]
     slots, lens = (t.view(k + 1, bucket) for t in target.ops.decode_metadata(
         draft_pos.reshape(-1), bt.repeat(k + 1, 1), block_size))
+    draft_steps = offs[:, None] + steps[None, :]  # [K + 1, B] output index of each draft
     tok = state.input_ids[rows]
     drafts, qs, states = [], [], []
     for j in range(k + 1):
@@ -82,10 +83,10 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
         if j == k:
             break
         logits = _masked(draft.model, state, draft.model.compute_logits(hidden), bucket,
-                         steps + j)
+                         draft_steps[j])
         if variant.sampled:
             q = sampling_probs_ref(logits, temp, top_k, top_p, variant.filters)
-            tok = draw_from_probs(q, seeds ^ SALT_DRAFT, steps + j)
+            tok = draw_from_probs(q, seeds ^ SALT_DRAFT, draft_steps[j])
             qs.append(q)
         else:  # every row greedy: q would be one-hot on the argmax
             tok = draft.model.ops.argmax(logits)
@@ -106,7 +107,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
         hidden = target.forward(ids.reshape(-1), pos, attn, kv)
     raw = target.compute_logits(hidden)  # [B*(K+1), V]
     rep = lambda x: _repeat_rows(x, k + 1)
-    step_all = (steps[:, None] + offs[None, :]).reshape(-1)
+    step_all = draft_steps.t().reshape(-1)  # row-major [B, K + 1]
     logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]), step_all,
                                          rep(state.min_tokens[rows]),
                                          inplace=not variant.logprobs)

@@ -41,6 +41,9 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               2-16 rows: those projections on the shipped tensor-core Triton configs (with
               programmatic dependent launch), the others on cuBLAS (run with --spec, and at
               --batch 4 / 16)
+  small-qkv-fused, small-o-qkv-fused
+              2-16 rows: the qkv projection with the one-pass norm in its prologue on the
+              tensor-core Triton config (and o on Triton)
   attn-block32, attn-block64
               decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
               SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
@@ -204,6 +207,10 @@ def _small_rows_triton(which: str, max_rows: int = 16) -> None:
     def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
         wide = weight.shape[0] >= 65536
         qkv = not wide and weight.shape[0] < 4 * x.shape[1]  # gate_up is 2 x intermediate
+        if small(x) and "qkv-fused" in names and qkv:  # the one-pass norm in the prologue
+            return lt.norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                  config=lt.pick_config(x.shape[0], *weight.shape),
+                                  max_rows=max_rows)
         if small(x) and (("lm_head" in names and wide) or ("qkv" in names and qkv)):
             normed, summed = lt._norm(x, residual, norm_weight, eps)
             return lt.linear(normed, weight, bias, max_rows=max_rows), summed
@@ -233,6 +240,8 @@ STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_sep
                    "small-o": partial(_small_rows_triton, "o"),
                    "small-o-lmhead": partial(_small_rows_triton, "o+lm_head"),
                    "small-o-lmhead-qkv": partial(_small_rows_triton, "o+lm_head+qkv"),
+                   "small-qkv-fused": partial(_small_rows_triton, "qkv-fused"),
+                   "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down")}
 
