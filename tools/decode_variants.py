@@ -268,17 +268,21 @@ ATTENTION_VARIANTS.update({"merge-in-kernel": partial(_merge, True),
                            "merge-reduce": partial(_merge, False)})
 
 
-def _override_one_row(m1: str | None, m1_norm: str | None) -> None:
-    """--m1 / --m1-norm: a one-row config given on the command line (cols, block_k, warps)."""
+def _override_one_row(m1: str | None, m1_norm: str | None, only_n: int | None = None) -> None:
+    """--m1 / --m1-norm: a one-row config given on the command line (cols, block_k, warps),
+    for every weight or (--only-n) the weights of that many rows."""
     def parse(spec):
         cols, block_k, warps = (int(v) for v in spec.split(","))
         return lt.LinearConfig(1, cols, block_k, num_warps=warps)
+
+    def pick(m, n, k, c, f):
+        return c if m == 1 and only_n in (None, n) else f(m, n, k)
 
     for spec, attr in ((m1, "pick_config"), (m1_norm, "pick_norm_config")):
         if spec is None:
             continue
         config, inner = parse(spec), getattr(lt, attr)
-        setattr(lt, attr, lambda m, n, k, c=config, f=inner: c if m == 1 else f(m, n, k))
+        setattr(lt, attr, partial(pick, c=config, f=inner))
 
 
 def main() -> None:
@@ -292,6 +296,9 @@ def main() -> None:
                     help="one-row projection config for every weight (overrides the variant's)")
     ap.add_argument("--m1-norm", default=None, metavar="COLS,BLOCK_K,WARPS",
                     help="one-row config of the projections with the norm fused in")
+    ap.add_argument("--only-n", type=int, default=None, metavar="N",
+                    help="--m1 / --m1-norm only for weights of N rows (llama-1b: qkv 3072, "
+                         "gate_up 16384, LM head 128256)")
     ap.add_argument("--spec", action="store_true",
                     help="instead of plain decode: tools/bench_spec.py's damped self:4 K=4 "
                          "set-up (llama-8b) at --batch, sync and async, against plain decode")
@@ -304,7 +311,7 @@ def main() -> None:
         VARIANTS[args.variant]()
     elif VARIANTS[args.variant] is not None:
         lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()
-    _override_one_row(args.m1, args.m1_norm)
+    _override_one_row(args.m1, args.m1_norm, args.only_n)
     if args.spec:
         import bench_spec
 

@@ -108,7 +108,9 @@ class LlamaModel:
                        attn: AttentionInputs, kv: KVCache, first_layer: int = 0) -> FinalHidden:
         """Layers first_layer.. on the state `hidden` that the layers before it left (the
         embeddings, with residual None, for layer 0). The speculative verify starts after a
-        self-draft's layers (capture/spec_iteration.py)."""
+        self-draft's layers (capture/spec_iteration.py). As in forward, the kernel before the
+        first layer must be a normal launch (there: the copies that stack the draft's states),
+        since the fused attention reads ahead of its PDL wait."""
         cfg, ops, w = self.config, self.ops, self.weights
         h, residual = hidden.out, hidden.residual
         for i, layer in enumerate(w.layers[first_layer:], start=first_layer):
