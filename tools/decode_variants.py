@@ -44,8 +44,8 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   small-qkv-fused, small-o-qkv-fused
               2-16 rows: the qkv projection with the one-pass norm in its prologue on the
               tensor-core Triton config (and o on Triton)
-  attn-block32, attn-block64
-              decode attention tiles of 32 / 64 keys at every batch size (shipped: 32 up to
+  attn-block16, attn-block32, attn-block64
+              decode attention tiles of 16 / 32 / 64 keys at every batch size (shipped: 32 up to
               SHORT_TILE_MAX_ROWS rows for head dims <= 64, else 64)
   fused-norm64
               qkv, gate_up and the LM head as Triton projections with the one-pass norm fused
@@ -233,6 +233,7 @@ STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_sep
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
                    "prefetch-all": partial(_set_tuning, "prefetch", 1),
                    "tail-not-dependent": _tail_not_dependent,
+                   "attn-block16": partial(_attention_block_n, 16),
                    "attn-block32": partial(_attention_block_n, 32),
                    "attn-block64": partial(_attention_block_n, 64),
                    "fused-norm64": partial(_fused_norm_rows, 64),
