@@ -44,8 +44,11 @@ def _masked(model: LlamaModel, state: DecodeState, logits: torch.Tensor, bucket:
 
 def _repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """Each row n times in a row (repeat_interleave over dim 0 in one copy launch: torch's
-    repeat_interleave on CUDA runs a cumsum and a gather)."""
-    return x[:, None].expand(x.shape[0], n, *x.shape[1:]).reshape(x.shape[0] * n, *x.shape[1:])
+    repeat_interleave on CUDA runs a cumsum and a gather). Always a dense copy: a reshape of
+    the expanded view would stay a stride-0 view for one row, which kernels reading [rows]
+    vectors as dense would misread."""
+    rows = x[:, None].expand(x.shape[0], n, *x.shape[1:]).contiguous()
+    return rows.view(x.shape[0] * n, *x.shape[1:])
 
 
 def _interleave(states: list[FinalHidden]) -> FinalHidden:

@@ -118,6 +118,8 @@ def spec_advance(tokens: torch.Tensor, count: torch.Tensor | None, draft: torch.
     assert out_tokens.shape == tokens.shape and out_tokens.stride(1) == 1
     assert out_count.shape == (b,) and out_count.dtype == torch.int64
     greedy = count is None
+    if not greedy:
+        count = count.contiguous()
     if greedy:
         draft = draft.contiguous()
         assert draft.shape == (b, k1 - 1)

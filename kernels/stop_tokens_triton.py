@@ -12,11 +12,11 @@ from . import pdl
 
 
 @triton.jit
-def _mask_stop_kernel(logits_ptr, stride_b, stop_ptr, stride_s, steps_ptr, min_ptr, V, S,
-                      BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+def _mask_stop_kernel(logits_ptr, stride_b, stop_ptr, stride_s, steps_ptr, stride_steps,
+                      min_ptr, stride_min, V, S, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
-    if tl.load(steps_ptr + b) < tl.load(min_ptr + b):
+    if tl.load(steps_ptr + b * stride_steps) < tl.load(min_ptr + b * stride_min):
         s = tl.arange(0, BLOCK_S)
         ids = tl.load(stop_ptr + b * stride_s + s, mask=s < S, other=-1).to(tl.int64)
         # -1 pads the row's list; an id past the vocabulary is refused when the request is
@@ -38,7 +38,10 @@ def mask_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, steps: torch.
         return mask_stop_tokens_ref(out, stop_ids, steps, min_tokens, inplace=True)
     s = stop_ids.shape[1]
     dependent = pdl.enabled(out, projection=False, tail=True)
+    # steps / min_tokens may be strided or broadcast views (stride 0: one row's values for
+    # every logits row, as the speculative verify passes them)
     _mask_stop_kernel[(b,)](out, out.stride(0), stop_ids, stop_ids.stride(0), steps,
-                            min_tokens, v, s, BLOCK_S=max(2, triton.next_power_of_2(s)),
-                            PDL=dependent, num_warps=1, launch_pdl=dependent)
+                            steps.stride(0), min_tokens, min_tokens.stride(0), v, s,
+                            BLOCK_S=max(2, triton.next_power_of_2(s)), PDL=dependent,
+                            num_warps=1, launch_pdl=dependent)
     return out

@@ -76,6 +76,8 @@ TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
 # norm kernel: tools/tune_linear.py measured 347.5 against cuBLAS's 375.5 us at 5 rows for
 # llama-8b's LM head and 179.3 against 190.4 at 16 rows for llama-1b's, and a batch-1
 # speculative verify has K + 1 <= 9 rows. At 64 rows cuBLAS won inside the decode step.
+# "Widest" by row count: the LM head of every preset; a gate_up of 65536+ rows (405B class)
+# would take this path too, a speed question only (both paths compute the same projection).
 WIDE_WEIGHT_ROWS = 65536
 WIDE_MAX_ROWS = 16
 

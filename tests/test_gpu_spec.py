@@ -37,6 +37,25 @@ def test_greedy_speculative_graphs_equal_plain(plain_greedy_gpu, draft, k, async
     assert rate == 1.0 if draft == "self:2" else rate < 0.5
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_hold_at_every_verified_position_at_batch_one(async_scheduling):
+    """One request (bucket 1) whose stop ids are tokens plain decoding emits, held back by
+    min_tokens: every verify row of the speculative step must see the request's own floor.
+    (The verify's per-row copies of min_tokens were once a stride-0 view that the Triton stop
+    mask read as a dense vector: rows 1..K took other rows' floors and let stop ids through.)"""
+    prompt = PROMPTS[0]
+    free = LLM("tiny", **GPU).generate([prompt], SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    stops = sorted(set(free[1:8]))
+    params = SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30,
+                            stop_token_ids=stops, ignore_eos=True)
+    plain = LLM("tiny", **GPU).generate([prompt], params)[0].token_ids
+    assert len(plain) >= 30 and not set(plain[:30]) & set(stops)
+    spec = LLM("tiny", async_scheduling=async_scheduling, cuda_graphs=True,
+               speculative=SpeculativeConfig("self:2", 4), **GPU).generate([prompt], params)
+    assert spec[0].token_ids == plain
+
+
 @pytest.mark.parametrize("dtype,batch_invariant", [("float32", False), ("bfloat16", True)])
 def test_acceptance_is_the_same_in_sync_and_async_on_gpu(dtype, batch_invariant):
     """bf16 needs the batch-invariant kernels: sync and async shrink the batch at different

@@ -143,6 +143,25 @@ def test_sample_distribution(K, temp, top_k, top_p):
 
 @kernel_test
 @pytest.mark.gpu
+def test_mask_stop_tokens_reads_broadcast_rows(K):
+    """A speculative verify passes one request's steps / min_tokens for its K + 1 rows: views
+    with stride 0 (and a step vector with stride 2) must be read as such, not as dense
+    vectors. Rows 0-3 repeat one request below its floor: every row masks its stop id."""
+    from graphexec.kernels.stop_tokens_triton import mask_stop_tokens
+
+    v = 64
+    logits = torch.zeros(4, v, device=DEV)
+    stop_ids = torch.tensor([[5, -1]], device=DEV).expand(4, 2)
+    min_tokens = torch.tensor([10, 0, 0, 0], device=DEV)[:1].expand(4)  # stride 0
+    steps = torch.tensor([1, 99, 2, 99, 3, 99, 4, 99], device=DEV)[::2]  # stride 2
+    for fn in (mask_stop_tokens, samp_ref.mask_stop_tokens_ref):
+        out = fn(logits.clone(), stop_ids.contiguous(), steps, min_tokens)
+        assert torch.isinf(out[:, 5]).all(), fn.__name__
+        assert (out[:, :5] == 0).all() and (out[:, 6:] == 0).all()
+
+
+@kernel_test
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inplace", [True, False])
 def test_mask_stop_tokens_matches_a_loop(K, dtype, inplace):
