@@ -68,16 +68,22 @@ def _load_kv_tile(k_ptr, v_ptr, bt_row, pos, end, d, dmask, kh64, skb, sks, skh,
 
 
 @triton.jit
-def _attend_tile(q, k, v, kmask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
-    """One online-softmax step over a tile holding at least one valid key (kmask)."""
+def _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr,
+                 MAYBE_EMPTY: tl.constexpr = False):
+    """One online-softmax step over a tile; ok: the [rows or 1, keys] scores that count.
+    Decode tiles hold a valid key for every row; MAYBE_EMPTY (causal prefill) allows rows that
+    have none yet, whose maximum stays -inf."""
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid key
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    s = tl.where(ok, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = m_new
+    if MAYBE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -204,13 +210,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if PREFETCH:
         if start < end:
-            m_i, l_i, acc = _attend_tile(q, k_pre, v_pre, (start + n) < end, m_i, l_i, acc,
-                                         qk_scale, IEEE)
+            m_i, l_i, acc = _attend_tile(q, k_pre, v_pre, ((start + n) < end)[None, :], m_i,
+                                         l_i, acc, qk_scale, IEEE)
     for n0 in range(first, end, BLOCK_N):
         pos = n0 + n
         k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, end, d, dmask, kh64,
                              skb, sks, skh, svb, svs, svh, BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k, v, pos < end, m_i, l_i, acc, qk_scale, IEEE)
+        m_i, l_i, acc = _attend_tile(q, k, v, (pos < end)[None, :], m_i, l_i, acc, qk_scale,
+                                     IEEE)
 
     omask = gmask[:, None] & dmask[None, :]
     if DIRECT:
@@ -504,24 +511,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
             kmask = pos < kv_end
             k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, kv_end, d, dmask, kh,
                                  skb, sks, skh, svb, svs, svh, BLOCK_SIZE)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
-                           input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
             ok = kmask[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(ok, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, IEEE,
+                                         MAYBE_EMPTY=True)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
         tl.store(out_ptr + tok[:, None] * so0 + h64 * so1 + d[None, :],
