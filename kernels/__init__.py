@@ -31,6 +31,13 @@ class Ops:
     linear: Callable  # the projections: (x, weight, bias) -> x @ weight.T + bias
     norm_linear: Callable  # (x, residual, norm_w, eps, weight, bias) -> (proj(norm), sum)
     silu_mul_linear: Callable  # (gate_up, weight, bias) -> proj(silu(gate) * up)
+    # A layer's two projections whose outputs join the residual stream, composed by the kernel
+    # set (the add in their epilogue rather than the next norm's prologue): both return
+    # (h, residual), the stream being h + residual, or h alone when residual is None. None:
+    # the model composes linear, norm_linear and silu_mul_linear, leaving each add to the
+    # next norm.
+    out_linear: Callable | None = None  # (x, weight, residual) -> (h, residual)
+    mlp: Callable | None = None  # (x, residual, norm_w, eps, gate_up, down) -> (h, residual)
     # rope_write_kv + decode_attention in one op, for decode batches whose rows are distinct
     # sequences; None: the model calls the two.
     rope_decode_attention: Callable | None = None

@@ -44,6 +44,8 @@ FUSE_MAX_ROWS = 1
 # then the input normalised exactly as kernels/rmsnorm.py rounds it) stays for split K, where
 # no program sees the whole row, and for comparison (tools/decode_variants.py).
 NORM_ONE_PASS = True
+# Projections of up to this many rows launch as programmatic dependents (kernels/pdl.py).
+PDL_MAX_ROWS = MAX_ROWS
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -133,11 +135,13 @@ def _accumulate(acc, xv, wv, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _step(acc, ss, wv, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_ok, m_ok, rstd, writes_sum,
-          dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-          ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_ok, m_ok, rstd,
+          writes_sum, dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+          GATED: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
+          BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     """One K block: the input tile for columns ks times the weight tile wv, added to acc (and
-    with ONE_PASS the tile's sums of squares to ss)."""
+    with SILU_OUT times the up projection's tile w_up, added to acc_up; with ONE_PASS the
+    tile's sums of squares added to ss)."""
     if ONE_PASS:
         xv, part = _unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, k_ok, m_ok,
                                        writes_sum, dtype, HAS_RES)
@@ -145,7 +149,9 @@ def _step(acc, ss, wv, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_ok, m_ok, rstd
     else:
         xv = _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype, NORM, HAS_RES,
                          GATED)
-    return _accumulate(acc, xv, wv, BLOCK_M, UPCAST), ss
+    if SILU_OUT:
+        acc_up = _accumulate(acc_up, xv, w_up, BLOCK_M, UPCAST)
+    return _accumulate(acc, xv, wv, BLOCK_M, UPCAST), acc_up, ss
 
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
@@ -153,11 +159,15 @@ def _step(acc, ss, wv, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_ok, m_ok, rstd
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
+                   RES_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
+    # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
+    # program streams the gate rows of its columns and the matching up rows, so the activation
+    # is an epilogue (no program recomputes another's). RES_OUT: the residual stream r (M x N)
+    # is added to the output in the epilogue (HAS_RES, the add in the prologue, is then off).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks
@@ -171,6 +181,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    w_up_rows = w_ptr + (rn + N).to(tl.int64)[:, None] * K  # SILU_OUT only
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
 
@@ -182,8 +193,11 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         # nothing produced by an earlier kernel is read, and nothing written, before gdc_wait.
         pdl.gdc_launch_dependents()
         ks0 = k_lo + rk
-        w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < k_hi)[None, :],
-                          other=0.0)
+        first_ok = n_ok[:, None] & (ks0 < k_hi)[None, :]
+        w_first = tl.load(w_rows + ks0[None, :], mask=first_ok, other=0.0)
+        w_up_first = w_first
+        if SILU_OUT:
+            w_up_first = tl.load(w_up_rows + ks0[None, :], mask=first_ok, other=0.0)
         pdl.gdc_wait()
         k_start = k_lo + BLOCK_K
 
@@ -206,41 +220,66 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = acc  # SILU_OUT: the up projection's sums
     if PDL:  # the first K block, with the weight tile fetched before the wait
-        acc, ss = _step(acc, ss, w_first, x_rows, r_rows, nw_ptr, sum_rows, K, ks0, ks0 < k_hi,
-                        m_ok, rstd, writes_sum, dtype, NORM, HAS_RES, GATED, ONE_PASS, BLOCK_M,
-                        UPCAST)
+        acc, acc_up, ss = _step(acc, acc_up, ss, w_first, w_up_first, x_rows, r_rows, nw_ptr,
+                                sum_rows, K, ks0, ks0 < k_hi, m_ok, rstd, writes_sum, dtype,
+                                NORM, HAS_RES, GATED, ONE_PASS, SILU_OUT, BLOCK_M, UPCAST)
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         ks = k0 + rk
         k_ok = ks < k_hi
-        wv = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc, ss = _step(acc, ss, wv, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_ok, m_ok, rstd,
-                        writes_sum, dtype, NORM, HAS_RES, GATED, ONE_PASS, BLOCK_M, UPCAST)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        wv = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+        w_up = wv
+        if SILU_OUT:
+            w_up = tl.load(w_up_rows + ks[None, :], mask=w_ok, other=0.0)
+        acc, acc_up, ss = _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K,
+                                ks, k_ok, m_ok, rstd, writes_sum, dtype, NORM, HAS_RES, GATED,
+                                ONE_PASS, SILU_OUT, BLOCK_M, UPCAST)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
+        if SILU_OUT:
+            acc_up = tl.sum(acc_up, axis=1)[None, :]
     if ONE_PASS:
-        acc = acc * (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
+        inv_rms = (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
+        acc = acc * inv_rms
+        acc_up = acc_up * inv_rms
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_OUT:  # rounded like the separate kernels: both projections, silu, the product
+        g = acc.to(dtype).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
     out_mask = m_ok[:, None] & n_ok[None, :]
     flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if tl.num_programs(1) == 1:
+        if RES_OUT:  # rounded like the reference: the projection, then the fp32 add
+            rv = tl.load(r_ptr + rm.to(tl.int64)[:, None] * sr + rn[None, :], mask=out_mask,
+                         other=0.0)
+            acc = acc.to(dtype).to(tl.float32) + rv.to(tl.float32)
         tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
     else:
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + flat, acc, mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["total"])
-def _split_sum_kernel(ws_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      RES_OUT: tl.constexpr, PDL: tl.constexpr):
+    """The K splits' fp32 partials summed in split order; RES_OUT: plus the (dense) residual,
+    after rounding the sum as the single-split epilogue does."""
+    pdl.prologue(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
+    dtype = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(ws_ptr + s * total.to(tl.int64) + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if RES_OUT:
+        acc = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + offs, mask=ok).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
 
 
 def pick_config(m: int, n: int, k: int) -> LinearConfig:
@@ -300,32 +339,40 @@ def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
 
 
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
-            gated: bool = False):
+            gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None):
+    """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
+    [gate | up] and the output silu(gate) * up; res_out: a residual added to the output."""
     m = x.shape[0]
     n, k = weight.shape
+    if silu_out:
+        n //= 2
     cfg = config or (pick_norm_config if norm_weight is not None else pick_config)(m, n, k)
     out = _new((m, n), x.dtype, x.device)
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
+    if split > 1 and silu_out:
+        raise ValueError(f"the silu epilogue needs whole K sums, got split_k={cfg.split_k}")
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
-    dependent = pdl.enabled(x, projection=True)
+    dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS
+    r = residual if residual is not None else (res_out if res_out is not None else x)
     _linear_kernel[grid](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None
-        else x, weight, bias if bias is not None else x, out, summed, ws,
-        m, n, k, k_per_split, eps, x.stride(0),
-        residual.stride(0) if residual is not None else 0,
+        x, r, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else x, out, summed, ws,
+        m, n, k, k_per_split, eps, x.stride(0), r.stride(0),
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
+        SILU_OUT=silu_out, RES_OUT=res_out is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT=split,
-                                                         BLOCK=block, num_warps=4)
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            ws, out, r, m * n, SPLIT=split, BLOCK=block, RES_OUT=res_out is not None,
+            PDL=dependent, num_warps=4, launch_pdl=dependent)
     return out, summed
 
 
@@ -387,6 +434,51 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         normed, summed = _norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias, max_rows=max_rows), summed
     return _launch(x, residual, norm_weight, eps, weight, bias, config)
+
+
+def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | None = None,
+                max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """silu(gate) * up of x's projection by [gate | up]: the activation in the epilogue."""
+    if not supported(x, gate_up, 1, max_rows=max_rows) or gate_up.shape[0] % 2:
+        return silu_mul(F.linear(x, gate_up))
+    return _launch(x, None, None, 0.0, gate_up, None,
+                   config or pick_fused_config(x.shape[0], gate_up.shape[0] // 2,
+                                               gate_up.shape[1], "gate_up"), silu_out=True)[0]
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+               config: LinearConfig | None = None, max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """linear(x) + residual in one kernel (the add in the epilogue, or in the split-K sum):
+    the attention output and MLP projections whose result joins the residual stream."""
+    if (not supported(x, weight, 1, residual, max_rows=max_rows)
+            or residual.shape != (x.shape[0], weight.shape[0])):
+        return F.linear(x, weight) + residual
+    return _launch(x, None, None, 0.0, weight, None,
+                   config or pick_fused_config(x.shape[0], *weight.shape, "add"),
+                   res_out=residual)[0]
+
+
+# Launch configs of the epilogue-fused projections (tools/tune_fused.py sets them to compare):
+# kind -> LinearConfig, for "gate_up" (silu epilogue, N = the intermediate size) and "add"
+# (o and down, residual epilogue).
+FUSED_TUNING: dict[str, LinearConfig] = {}
+
+
+def pick_fused_config(m: int, n: int, k: int, kind: str) -> LinearConfig:
+    """From tools/tune_fused.py on an H100 at 64 rows (llama-1b and llama-8b shapes,
+    2026-11-24): about 128 programs for the residual-epilogue projections, 16-64 columns each,
+    the K of the down projection split until there are (1b: 64 columns x 4 splits; 8b: 64 x 2;
+    o: 16 and 32 columns); gate_up 32 columns of both halves, 64-wide K steps."""
+    if kind in FUSED_TUNING:
+        return FUSED_TUNING[kind]
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    if kind == "gate_up":
+        return LinearConfig(block_m, 32, 64, 1, num_warps=4, num_stages=5)
+    if k > n:
+        split = _split_k(triton.cdiv(n, 64), 128, k, 128)
+        return LinearConfig(block_m, 64, 128, split, num_warps=4, num_stages=5)
+    block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 128))))
+    return LinearConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=5)
 
 
 # ----------------------------------------------------------------------------------------------

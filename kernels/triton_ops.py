@@ -99,11 +99,53 @@ def auto_ops(max_rows: int) -> Ops:
         silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=max_rows))
 
 
+# The qkv projection of the fused path on Triton (after the norm kernel) instead of cuBLAS.
+FUSED_QKV_TRITON = False
+
+
+def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
+    """base with, for batches of min_rows..max_rows rows, the residual add and the activation
+    moved into the projections' epilogues (tensor-core Triton kernels): o and down add the
+    residual stream to their output, so the norms after them only normalise; gate_up computes
+    silu(gate) * up. A layer is then eight launches instead of nine, and the activation makes
+    no extra round trip through memory. The norms stay their own kernels: folded into the
+    prologue at 64 rows, where every program re-reads the rows, the qkv projection ran 2.5x
+    slower (tools/tune_fused.py). Other row counts, and the LM head, run as in base."""
+    def fused(x):
+        return min_rows <= x.shape[0] <= max_rows
+
+    def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+        if not (fused(x) and FUSED_QKV_TRITON) or weight.shape[0] >= WIDE_WEIGHT_ROWS:
+            return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
+        return linear_triton.linear(normed, weight, bias, max_rows=max_rows), summed
+
+    def out_linear(x, weight, residual):
+        if not fused(x) or residual is None:
+            return base.linear(x, weight), residual
+        return linear_triton.linear_add(x, weight, residual, max_rows=max_rows), None
+
+    def mlp(x, residual, norm_weight, eps, gate_up, down):
+        if not fused(x):
+            h, summed = base.norm_linear(x, residual, norm_weight, eps, gate_up)
+            return base.silu_mul_linear(h, down), summed
+        normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
+        act = linear_triton.linear_silu(normed, gate_up, max_rows=max_rows)
+        return linear_triton.linear_add(act, down, summed, max_rows=max_rows), None
+
+    return replace(base, name=f"{base.name}-fused{min_rows}-{max_rows}",
+                   norm_linear=norm_linear, out_linear=out_linear, mlp=mlp)
+
+
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection
 # (tools/tune_linear.py): above, cuBLAS was as fast or faster, and Triton up to 8 rows made
 # llama-1b decode steps at batch 4 and 8 about 4% slower (decode_variants auto-rows8).
 AUTO_MAX_ROWS = 1
-TRITON_SINGLE_ROW_OPS = auto_ops(AUTO_MAX_ROWS)
+# The epilogue-fused projections from 33 to 64 rows (the 48 and 64 buckets): llama-1b batch 64,
+# H100, 1.4784 / 1.4892 ms a decode step against 1.566 / 1.5748 without; at 16 and 32 rows
+# they were slower (1.4814 against 1.3869 ms, 1.5493 against 1.4547; decode_variants fused).
+FUSED_MIN_ROWS, FUSED_MAX_ROWS = 33, 64
+TRITON_SINGLE_ROW_OPS = fused_ops(auto_ops(AUTO_MAX_ROWS), FUSED_MIN_ROWS, FUSED_MAX_ROWS)
 
 
 # Per-row results that do not depend on the batch (EngineConfig.batch_invariant): what lets a

@@ -50,6 +50,14 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   fused-norm64
               qkv, gate_up and the LM head as Triton projections with the one-pass norm fused
               in up to 64 rows (run at --batch 64; "auto" runs the norm, then cuBLAS)
+  unfused     no epilogue-fused projections (the default before they came, stop 16)
+  fused       triton_ops.fused_ops over "auto" for --fused-rows (default 2..64): o and down
+              with the residual add in their epilogue, gate_up with silu * mul in its;
+              --fused-config KIND=BM,BN,BK,SPLIT,WARPS,STAGES (KIND gate_up or add) overrides
+              pick_fused_config
+  cublaslt    every cuBLAS projection through cuBLASLt (torch's preferred_blas_library)
+  attn-splits2, attn-splits3
+              decode attention with 2 / 3 context splits per row at every batch size
 Decode attention:
   min-tiles1, min-tiles2, min-tiles4, min-tiles8
                    a row takes one more split per this many 64-key tiles of its context (up to
@@ -224,12 +232,36 @@ def _small_rows_triton(which: str, max_rows: int = 16) -> None:
                                                silu_mul_linear=silu_mul_linear)
 
 
+def _fused(rows: str, configs: list[str]) -> None:
+    from graphexec.kernels import triton_ops
+
+    lo, hi = (int(v) for v in rows.split(","))
+    triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.fused_ops(
+        triton_ops.auto_ops(triton_ops.AUTO_MAX_ROWS), lo, hi)
+    for spec in configs:
+        kind, values = spec.split("=")
+        bm, bn, bk, split, warps, stages = (int(v) for v in values.split(","))
+        lt.FUSED_TUNING[kind] = lt.LinearConfig(bm, bn, bk, split, warps, stages)
+
+
 def _lm_head_cublas() -> None:
     from graphexec.kernels import triton_ops
     triton_ops.WIDE_MAX_ROWS = triton_ops.AUTO_MAX_ROWS
 
 
-STOP14_VARIANTS = {"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
+def _cublaslt() -> None:
+    import torch
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
+def _attention_splits(n: int) -> None:
+    from graphexec.kernels import attention_triton
+    attention_triton._decode_num_splits = lambda *args: n
+
+
+STOP14_VARIANTS = {"cublaslt": _cublaslt,
+                   "attn-splits2": partial(_attention_splits, 2),
+                   "attn-splits3": partial(_attention_splits, 3),"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
                    "prefetch-all": partial(_set_tuning, "prefetch", 1),
                    "tail-not-dependent": _tail_not_dependent,
@@ -289,7 +321,8 @@ def _override_one_row(m1: str | None, m1_norm: str | None, only_n: int | None = 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("variant",
-                    choices=list(VARIANTS) + list(ATTENTION_VARIANTS) + list(STOP14_VARIANTS))
+                    choices=list(VARIANTS) + list(ATTENTION_VARIANTS) + list(STOP14_VARIANTS)
+                    + ["fused", "unfused"])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
@@ -303,8 +336,30 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true",
                     help="instead of plain decode: tools/bench_spec.py's damped self:4 K=4 "
                          "set-up (llama-8b) at --batch, sync and async, against plain decode")
+    ap.add_argument("--fused-rows", default="2,64", metavar="MIN,MAX")
+    ap.add_argument("--fused-config", action="append", default=[],
+                    metavar="KIND=BM,BN,BK,SPLIT,WARPS,STAGES")
+    ap.add_argument("--fused-qkv-triton", action="store_true",
+                    help="fused: the qkv projection on Triton (triton_ops.FUSED_QKV_TRITON)")
+    ap.add_argument("--attn", default=None, metavar="KEY=V[,KEY=V]",
+                    help="decode attention launch knobs (attention_triton.DECODE_TUNING): "
+                         "block_n, num_warps, num_stages, merge, prefetch")
+    ap.add_argument("--pdl-max-rows", type=int, default=None,
+                    help="Triton projections of more rows launch normally (not as dependents)")
     args = ap.parse_args()
-    if args.variant in ATTENTION_VARIANTS:
+    for item in (args.attn.split(",") if args.attn else []):
+        key, value = item.split("=")
+        _set_tuning(key, int(value))
+    if args.pdl_max_rows is not None:
+        lt.PDL_MAX_ROWS = args.pdl_max_rows
+    if args.variant == "unfused":
+        from graphexec.kernels import triton_ops
+        triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.auto_ops(triton_ops.AUTO_MAX_ROWS)
+    elif args.variant == "fused":
+        from graphexec.kernels import triton_ops
+        triton_ops.FUSED_QKV_TRITON = args.fused_qkv_triton
+        _fused(args.fused_rows, args.fused_config)
+    elif args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
     elif args.variant in STOP14_VARIANTS:
         STOP14_VARIANTS[args.variant]()

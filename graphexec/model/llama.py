@@ -117,10 +117,20 @@ class LlamaModel:
             # Each norm feeds exactly one projection: one op, so a kernel may fuse the two.
             qkv, residual = ops.norm_linear(h, residual, layer.input_norm, cfg.rms_norm_eps,
                                             layer.qkv, layer.qkv_bias)
-            h = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
-            gate_up, residual = ops.norm_linear(h, residual, layer.post_norm, cfg.rms_norm_eps,
-                                                layer.gate_up)
-            h = ops.silu_mul_linear(gate_up, layer.down)
+            o = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
+            # (h, residual): the stream is h + residual, or h when residual is None (an op set
+            # that adds in the projection's epilogue)
+            if ops.out_linear is None:
+                h = ops.linear(o, layer.o)
+            else:
+                h, residual = ops.out_linear(o, layer.o, residual)
+            if ops.mlp is None:
+                gate_up, residual = ops.norm_linear(h, residual, layer.post_norm,
+                                                    cfg.rms_norm_eps, layer.gate_up)
+                h = ops.silu_mul_linear(gate_up, layer.down)
+            else:
+                h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
+                                      layer.gate_up, layer.down)
         return FinalHidden(h, residual)
 
     def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:
@@ -135,6 +145,7 @@ class LlamaModel:
 
     def _attention(self, qkv, positions, attn: AttentionInputs, layer: LayerWeights,
                    k_cache, v_cache) -> torch.Tensor:
+        """[T, q_size]: the attention output, before the o projection."""
         cfg, ops = self.config, self.ops
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -149,7 +160,7 @@ class LlamaModel:
             o = ops.rope_decode_attention(q, k, v, positions, self.cos, self.sin, k_cache,
                                           v_cache, attn.slot_mapping, attn.block_tables,
                                           attn.seq_lens, self.scale)
-            return ops.linear(o.reshape(t, cfg.q_size), layer.o)
+            return o.reshape(t, cfg.q_size)
         q = ops.rope_write_kv(q, k, v, positions, self.cos, self.sin, k_cache, v_cache,
                               attn.slot_mapping)
         if attn.cu_seqlens_q is None:
@@ -158,4 +169,4 @@ class LlamaModel:
         else:
             o = ops.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                       attn.block_tables, self.scale)
-        return ops.linear(o.reshape(t, cfg.q_size), layer.o)
+        return o.reshape(t, cfg.q_size)

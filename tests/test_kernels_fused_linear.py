@@ -1,0 +1,133 @@
+"""The fused tensor-core projections of kernels/linear_triton.py (what `triton_ops.fused_ops`
+runs for multi-row decode batches) against PyTorch: gate_up with the silu * mul epilogue against
+F.linear in fp32 and kernels/activation.py; the residual epilogue (and the
+split-K sum that carries it) against F.linear in fp32 plus the add; and a whole model on the
+fused op set against the fp32 reference model."""
+import pytest
+import torch
+
+from graphexec.kernels import activation as act_ref
+from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test
+
+# (m, intermediate, hidden): ragged row and column counts hit the masks
+SILU_SHAPES = big([(64, 8192, 2048), (33, 1000, 896), (5, 2048, 1024), (2, 64, 256)],
+                  [(3, 40, 96), (17, 24, 64)])
+SILU_CONFIGS = big([None, (64, 32, 64, 1), (16, 16, 128, 1), (64, 64, 128, 1)],
+                   [None, (16, 16, 32, 1)])
+
+
+def _ref_linear(x, w):
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,inter,hidden", SILU_SHAPES)
+@pytest.mark.parametrize("config", SILU_CONFIGS)
+def test_linear_silu(K, m, inter, hidden, config):
+    dtype = torch.bfloat16
+    x = _randn((m, hidden), dtype, 40)
+    w = _randn((2 * inter, hidden), dtype, 43, hidden ** -0.5)
+    cfg = K.lt.LinearConfig(*config) if config else None
+    act = K.lt.linear_silu(x, w, config=cfg)
+    assert act.shape == (m, inter)
+    assert not torch.isnan(act).any()
+    # Against fp32. The kernel rounds both projections, silu and the product to bf16, as the
+    # separate kernels do, and a product of two rounded values carries each one's error scaled
+    # by the other: an element near zero has the absolute error of the row's scale, not its
+    # own. So: no element off by more than 2% of the output's scale, and no larger error
+    # overall than the separate kernels' (projection, then silu * mul) against the same truth.
+    gate, up = (x.float() @ w.float().t()).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    if INTERPRET:  # it truncates at each of those roundings where the GPU rounds to nearest
+        torch.testing.assert_close(act.float(), want, rtol=0.05, atol=0.05)
+        return
+    torch.testing.assert_close(act.float(), want, rtol=0.02, atol=0.02 * want.abs().max().item())
+    separate = act_ref.silu_mul_ref(torch.nn.functional.linear(x, w)).float()
+    err = (act.float() - want).norm() / want.norm()
+    assert err <= 1.25 * (separate - want).norm() / want.norm() + 1e-3
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", big([(64, 2048, 8192), (64, 2048, 2048), (33, 1000, 896),
+                                       (2, 3072, 2048)], [(3, 40, 96), (17, 24, 160)]))
+@pytest.mark.parametrize("config", big([None, (64, 16, 128, 1), (64, 32, 128, 4),
+                                        (16, 16, 256, 2)], [None, (16, 16, 32, 3)]))
+def test_linear_add(K, m, n, k, config):
+    """Split K (config split > 1) takes the residual in the partial-sum kernel."""
+    dtype = torch.bfloat16
+    x = _randn((m, k), dtype, 44)
+    w = _randn((n, k), dtype, 45, k ** -0.5)
+    res = _randn((m, n), dtype, 46, 3.0)
+    cfg = K.lt.LinearConfig(*config) if config else None
+    out = K.lt.linear_add(x, w, res, config=cfg)
+    # the projection rounded to the dtype, then the fp32 add, as the reference add_rms_norm
+    want = (_ref_linear(x, w).float() + res.float()).to(dtype)
+    _check(out, want, dtype, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_silu_epilogue_refuses_split_k(K):
+    x = _randn((4, 256), torch.bfloat16, 47)
+    w = _randn((64, 256), torch.bfloat16, 49)
+    with pytest.raises(ValueError, match="split_k=2"):
+        K.lt.linear_silu(x, w, config=K.lt.LinearConfig(16, 16, 32, 2))
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed):
+    """The whole bf16 model on the fused op set is as accurate, against the fp32 reference
+    model, as on the unfused Triton set: the three prompts packed into one forward (22 rows,
+    inside the fused range), or one token alone (outside it: there the two op sets must agree
+    bitwise)."""
+    from graphexec.kernels import REFERENCE_OPS
+    from graphexec.kernels.triton_ops import TRITON_OPS, fused_ops
+    from test_hf_parity import PROMPTS, _graphexec_prefill_logits
+
+    path, _ = hf_dirs_moderate["llama"]
+    dev = str(DEV)
+    fused = fused_ops(TRITON_OPS, 2, 64)
+    prompts = PROMPTS if packed else [PROMPTS[0][:1]]
+    truth = _graphexec_prefill_logits(path, dev, torch.float32, prompts, ops=REFERENCE_OPS)
+    base = _graphexec_prefill_logits(path, dev, torch.bfloat16, prompts, ops=TRITON_OPS)
+    ours = _graphexec_prefill_logits(path, dev, torch.bfloat16, prompts, ops=fused)
+    for mine, plain, exact in zip(ours, base, truth):
+        if not packed:
+            assert torch.equal(mine, plain)
+        err = ((mine - exact).norm() / exact.norm()).item()
+        base_err = ((plain - exact).norm() / exact.norm()).item()
+        assert err <= 1.25 * base_err + 1e-3, (err, base_err)
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
+    """projections="auto": from FUSED_MIN_ROWS to FUSED_MAX_ROWS rows o and down add the
+    residual in their epilogue and gate_up applies silu * mul in its (residual None comes
+    back: already added); other row counts leave the add to the next norm."""
+    from graphexec.kernels import triton_ops
+
+    ops, lt = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt
+    h, inter = big((2048, 4096), (64, 96))
+    w_o = _randn((h, h), torch.bfloat16, 50, h ** -0.5)
+    w_gu = _randn((2 * inter, h), torch.bfloat16, 51, h ** -0.5)
+    w_down = _randn((h, inter), torch.bfloat16, 52, inter ** -0.5)
+    nw = (1.0 + 0.2 * _randn((h,), torch.float32, 53)).to(torch.bfloat16)
+    for m in (32, 33, 64):
+        x, res = _randn((m, h), torch.bfloat16, 54), _randn((m, h), torch.bfloat16, 55)
+        out, r = ops.out_linear(x, w_o, res)
+        y, r2 = ops.mlp(x, res, nw, 1e-6, w_gu, w_down)
+        if triton_ops.FUSED_MIN_ROWS <= m <= triton_ops.FUSED_MAX_ROWS:
+            assert r is None and torch.equal(out, lt.linear_add(x, w_o, res))
+            normed, summed = lt._norm(x, res, nw, 1e-6)
+            want = lt.linear_add(lt.linear_silu(normed, w_gu), w_down, summed)
+            assert r2 is None and torch.equal(y, want)
+        else:
+            assert r is res and torch.equal(out, ops.linear(x, w_o))
+            gate_up, summed = ops.norm_linear(x, res, nw, 1e-6, w_gu)
+            assert torch.equal(r2, summed)
+            assert torch.equal(y, ops.silu_mul_linear(gate_up, w_down))

@@ -1,0 +1,129 @@
+"""Launch configs of the fused tensor-core projections (triton_ops.fused_ops) on a GPU, against
+the unfused cuBLAS path they replace, on a model's layer shapes: every projection of 16 layers
+with their own weights (so nothing is served from L2) replayed from one CUDA graph, the way the
+decode step chains them.
+
+    python tools/tune_fused.py --model llama-1b --batches 16 64
+
+Per kind (o and down with the residual in their epilogue, gate_up with silu * mul in its, qkv
+plain) the candidate configs in microseconds per layer, against the cuBLAS kernels they
+replace; then a layer's whole projection chain, fused (best configs; qkv on cuBLAS or Triton,
+projections as programmatic dependents or not) against cuBLAS with its separate add + RMSNorm
+and silu * mul kernels. Writes tune_fused.json to --out.
+pick_fused_config in kernels/linear_triton.py is to be set from these runs.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graphexec.kernels import activation_triton as at  # noqa: E402
+from graphexec.kernels import linear_triton as lt  # noqa: E402
+from graphexec.kernels import norm_rope_triton as nr  # noqa: E402
+from tune_linear import SHAPES, time_graph  # noqa: E402
+
+LAYERS = 16
+
+
+def candidates(m: int, kind: str) -> list[lt.LinearConfig]:
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    add = kind.startswith("add")
+    out = []
+    for bn, bk, split, stages in itertools.product(
+            [16, 32, 64], [128] if add else [64, 128], [1, 2, 4] if add else [1], [4, 5]):
+        if kind == "silu" and (bn == 16 or bk == 128):
+            continue  # two accumulators: wide tiles spill, narrow ones did not pay (call 1)
+        out.append(lt.LinearConfig(block_m, bn, bk, split, num_warps=4, num_stages=stages))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--batches", nargs="+", type=int, default=[64])
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    h, qkv_n, inter, _ = SHAPES[args.model]
+    dt, dev = torch.bfloat16, "cuda"
+    rnd = lambda *s: torch.randn(*s, dtype=dt, device=dev) * s[-1] ** -0.5
+    w = [dict(qkv=rnd(qkv_n, h), o=rnd(h, h), gate_up=rnd(2 * inter, h), down=rnd(h, inter),
+              n1=torch.ones(h, dtype=dt, device=dev), n2=torch.ones(h, dtype=dt, device=dev))
+         for _ in range(LAYERS)]
+    results = []
+    for m in args.batches:
+        x, res = rnd(m, h), rnd(m, h)
+        att, act = rnd(m, h), rnd(m, inter)
+        ops = {  # kind -> fn(layer, config)
+            "qkv": lambda i, c: lt.linear(x, w[i]["qkv"], config=c),
+            "add_o": lambda i, c: lt.linear_add(att, w[i]["o"], res, config=c),
+            "silu": lambda i, c: lt.linear_silu(x, w[i]["gate_up"], config=c),
+            "add_down": lambda i, c: lt.linear_add(act, w[i]["down"], res, config=c),
+        }
+        cublas = {  # what each replaces
+            "qkv": lambda i: F.linear(x, w[i]["qkv"]),
+            "add_o": lambda i: F.linear(att, w[i]["o"]),
+            "silu": lambda i: at.silu_mul(F.linear(x, w[i]["gate_up"])),
+            "add_down": lambda i: F.linear(act, w[i]["down"]),
+        }
+        best = {}
+        for kind, fn in ops.items():
+            base = time_graph(cublas[kind], LAYERS) * 1e6
+            timed = []
+            for cfg in candidates(m, kind):
+                try:
+                    timed.append((time_graph(lambda i: fn(i, cfg), LAYERS) * 1e6, cfg))
+                except Exception as e:  # out of shared memory / registers: not a candidate
+                    print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+            timed.sort(key=lambda t: t[0])
+            best[kind] = timed[0][1]
+            row = dict(m=m, kind=kind, cublas_us=round(base, 2),
+                       top=[dict(us=round(t, 2), config=vars(c)) for t, c in timed[:args.top]])
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+        def fused_chain(i, qkv_triton):
+            n1 = nr.rms_norm(x, w[i]["n1"], 1e-5)
+            if qkv_triton:
+                lt.linear(n1, w[i]["qkv"], config=best["qkv"])
+            else:
+                F.linear(n1, w[i]["qkv"])
+            s1 = lt.linear_add(att, w[i]["o"], res, config=best["add_o"])
+            a = lt.linear_silu(nr.rms_norm(s1, w[i]["n2"], 1e-5), w[i]["gate_up"],
+                               config=best["silu"])
+            return lt.linear_add(a, w[i]["down"], s1, config=best["add_down"])
+
+        def cublas_chain(i):
+            n1, s0 = nr.add_rms_norm(x, res, w[i]["n1"], 1e-5)
+            F.linear(n1, w[i]["qkv"])
+            o = F.linear(att, w[i]["o"])
+            n2, s1 = nr.add_rms_norm(o, s0, w[i]["n2"], 1e-5)
+            return F.linear(at.silu_mul(F.linear(n2, w[i]["gate_up"])), w[i]["down"])
+
+        chain = dict(m=m, kind="layer chain", cublas_us=round(time_graph(cublas_chain, LAYERS)
+                                                             * 1e6, 2),
+                     configs={k: vars(c) for k, c in best.items()})
+        for pdl_rows in (lt.MAX_ROWS, 0):  # projections as programmatic dependents, or not
+            lt.PDL_MAX_ROWS = pdl_rows
+            for qkv_triton in (0, 1):
+                fn = lambda i: fused_chain(i, qkv_triton)
+                key = f"fused_qkv{'triton' if qkv_triton else 'cublas'}_pdl{int(pdl_rows > 0)}_us"
+                chain[key] = round(time_graph(fn, LAYERS) * 1e6, 2)
+        lt.PDL_MAX_ROWS = lt.MAX_ROWS
+        results.append(chain)
+        print(json.dumps(chain), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_fused.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
