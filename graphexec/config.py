@@ -39,8 +39,9 @@ class EngineConfig:
     capture_logprobs: bool = True  # False: steps that need logprobs run eagerly (less memory)
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
     # Who runs the projections on CUDA: "cublas", "triton" (kernels/linear_triton.py: M <= 64
-    # rows) or "auto": Triton for one-row batches (RMSNorm and silu * mul fused in front),
-    # cuBLAS above, the set that measured fastest at both batch 1 and 64 (docs/benchmarks.md).
+    # rows) or "auto": Triton for one-row batches (RMSNorm and silu * mul fused in front), at
+    # 33-64 rows Triton for o, gate_up and down (residual add and silu * mul in their
+    # epilogues), cuBLAS elsewhere: the set that measured fastest (docs/benchmarks.md).
     projections: str = "auto"
     # Kernels whose per-row results do not depend on the batch size (CUDA + Triton): a draft
     # that computes what the target computes is then accepted every time, in bf16 too.

@@ -410,8 +410,11 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dependent = pdl.enabled(q, projection=False)
     # two warps for head dims up to 64 (H100, bench_kernels --sweep-attention, bf16 d 64:
     # batch 1 x 192 keys 6.1 -> 5.7 us, 1 x 8192 16.1 -> 13.0, 64 x 192 10.5 -> 10.4; d 128
-    # at 64 x 2048 the same either way)
-    num_warps = DECODE_TUNING.get("num_warps", 2 if block_d <= 64 else 4)
+    # at 64 x 2048 the same either way), but from FOUR_WARPS_MIN_ROWS rows (batch-invariant:
+    # never, the launch may not depend on the batch)
+    rows = None if invariant else b
+    two = block_d <= 64 and (rows is None or rows < FOUR_WARPS_MIN_ROWS)
+    num_warps = DECODE_TUNING.get("num_warps", 2 if two else 4)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl, counters,
         kn, vn, pos, slots, cos, sin,
@@ -435,6 +438,12 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+# From this many rows the decode attention takes four warps for head dims <= 64 too: in the
+# whole decode step (llama-1b batch 64, contexts of 128-256, H100) 1.4688 ms against 1.4765 /
+# 1.4805 with two (decode_variants --attn num_warps=4), and 1.4434 / 1.4471 against 1.4612 /
+# 1.4801 with the qkv projection on Triton (stop 16, calls 5-6). 33 follows the fused
+# projections' range; batches of 17-47 rows were not measured.
+FOUR_WARPS_MIN_ROWS = 33
 # Fewest BLOCK_N tiles a split takes before a row is cut into more splits: a row of a few
 # tiles then runs on that many programs (or one) instead of the whole split grid.
 MIN_TILES_PER_SPLIT = 1

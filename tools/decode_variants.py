@@ -41,6 +41,7 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               2-16 rows: those projections on the shipped tensor-core Triton configs (with
               programmatic dependent launch), the others on cuBLAS (run with --spec, and at
               --batch 4 / 16)
+  lmhead64    2-64 rows: the LM head on Triton after the norm kernel
   small-qkv-fused, small-o-qkv-fused
               2-16 rows: the qkv projection with the one-pass norm in its prologue on the
               tensor-core Triton config (and o on Triton)
@@ -274,6 +275,7 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-lmhead": partial(_small_rows_triton, "o+lm_head"),
                    "small-o-lmhead-qkv": partial(_small_rows_triton, "o+lm_head+qkv"),
                    "small-qkv-fused": partial(_small_rows_triton, "qkv-fused"),
+                   "lmhead64": partial(_small_rows_triton, "lm_head", 64),
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down")}
