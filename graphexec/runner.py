@@ -147,7 +147,10 @@ class ModelRunner:
             n = len(p.token_ids)
             ids += p.token_ids
             pos += range(n)
-            slots += [p.blocks[i // bs] * bs + i % bs for i in range(n)]
+            first = len(slots)
+            for block in p.blocks[:-(-n // bs)]:  # whole blocks, the last one trimmed below
+                slots += range(block * bs, block * bs + bs)
+            del slots[first + n:]
             cu.append(cu[-1] + n)
             lens.append(n)
         rows = [p.row for p in prefills]
