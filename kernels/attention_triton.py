@@ -336,21 +336,25 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                          seq_lens: torch.Tensor, scale: float,
+                          prefetch: bool | None = None) -> torch.Tensor:
     """rope_write_kv + decode_attention in one launch (attention.rope_decode_attention_ref):
     saves a kernel per layer and the rotated q's round trip through memory. Each row must be a
     different sequence whose slot lies in its own blocks (the decode step's rows: position
     seq_len - 1, slot from the row's block table); rows that read each other's new tokens
-    (the speculative verify) must call rope_write_kv and decode_attention instead."""
+    (the speculative verify) must call rope_write_kv and decode_attention instead. prefetch:
+    load the first KV tile before the PDL wait (None: up to PREFETCH_MAX_ROWS rows); it pays
+    where the kernel before is a Triton projection that lets dependents start early."""
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
-                                   rope=(k, v, positions, cos, sin, slot_mapping))
+                                   rope=(k, v, positions, cos, sin, slot_mapping),
+                                   prefetch=prefetch)
 
 
 def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             num_splits: int | None, rope: tuple | None = None,
-                            min_tiles: int | None = None, invariant: bool = False
-                            ) -> torch.Tensor:
+                            min_tiles: int | None = None, invariant: bool = False,
+                            prefetch: bool | None = None) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
     shapes. A row uses at most that many splits, and no more than one per min_tiles tiles of
     its context (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
@@ -425,8 +429,8 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
         MERGE_SPLITS=merge_splits, MERGE=merge, DIRECT=direct, IEEE=ieee,
         ROPE=rope is not None, PDL=dependent,
-        PREFETCH=rope is not None and bool(DECODE_TUNING.get("prefetch",
-                                                             b <= PREFETCH_MAX_ROWS)),
+        PREFETCH=rope is not None and bool(DECODE_TUNING.get(
+            "prefetch", b <= PREFETCH_MAX_ROWS if prefetch is None else prefetch)),
         num_warps=num_warps,
         num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
     if not (direct or merge):

@@ -99,26 +99,43 @@ def auto_ops(max_rows: int) -> Ops:
         silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=max_rows))
 
 
-# The qkv projection of the fused path on Triton (after the norm kernel) instead of cuBLAS.
-FUSED_QKV_TRITON = False
+# The qkv projection of the fused path on Triton (after the norm kernel) instead of cuBLAS, for
+# weights of up to this many elements, and the attention after it fetching its first KV tile
+# before its PDL wait (which a cuBLAS kernel in front would not let start early): llama-1b's
+# 3072 x 2048 at batch 64 1.4415 / 1.4386 ms a step against 1.4767 / 1.4811, at 48 1.4525
+# against 1.4934; llama-8b's 6144 x 4096 6.759 against 6.6606 (H100, stop 16, call 11).
+FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 
 
 def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
     """base with, for batches of min_rows..max_rows rows, the residual add and the activation
     moved into the projections' epilogues (tensor-core Triton kernels): o and down add the
     residual stream to their output, so the norms after them only normalise; gate_up computes
-    silu(gate) * up. A layer is then eight launches instead of nine, and the activation makes
+    silu(gate) * up; a small qkv projection (FUSED_QKV_TRITON_MAX_ELEMENTS) runs on Triton too. A layer is then eight launches instead of nine, and the activation makes
     no extra round trip through memory. The norms stay their own kernels: folded into the
     prologue at 64 rows, where every program re-reads the rows, the qkv projection ran 2.5x
     slower (tools/tune_fused.py). Other row counts, and the LM head, run as in base."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 
+    # Whether the last qkv projection ran on Triton: a layer's attention follows its qkv
+    # projection (the only norm_linear here besides the LM head), and prefetches after Triton.
+    last_qkv_triton = [False]
+
     def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
-        if not (fused(x) and FUSED_QKV_TRITON) or weight.shape[0] >= WIDE_WEIGHT_ROWS:
+        if weight.shape[0] >= WIDE_WEIGHT_ROWS:  # the LM head
+            return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        triton_qkv = fused(x) and weight.numel() <= FUSED_QKV_TRITON_MAX_ELEMENTS
+        last_qkv_triton[0] = triton_qkv
+        if not triton_qkv:
             return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
         normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
-        return linear_triton.linear(normed, weight, bias, max_rows=max_rows), summed
+        config = linear_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
+        return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows), summed
+
+    def rope_decode_attention(q, *args):
+        prefetch = True if fused(q) and last_qkv_triton[0] else None
+        return base.rope_decode_attention(q, *args, prefetch=prefetch)
 
     def out_linear(x, weight, residual):
         if not fused(x) or residual is None:
@@ -134,7 +151,9 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
         return linear_triton.linear_add(act, down, summed, max_rows=max_rows), None
 
     return replace(base, name=f"{base.name}-fused{min_rows}-{max_rows}",
-                   norm_linear=norm_linear, out_linear=out_linear, mlp=mlp)
+                   norm_linear=norm_linear, out_linear=out_linear, mlp=mlp,
+                   rope_decode_attention=(None if base.rope_decode_attention is None
+                                          else rope_decode_attention))
 
 
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection

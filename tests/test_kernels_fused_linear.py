@@ -79,14 +79,17 @@ def test_silu_epilogue_refuses_split_k(K):
 @kernel_test
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
-def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed):
+@pytest.mark.parametrize("qkv_triton", [False, True])
+def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed, qkv_triton, monkeypatch):
     """The whole bf16 model on the fused op set is as accurate, against the fp32 reference
     model, as on the unfused Triton set: the three prompts packed into one forward (22 rows,
     inside the fused range), or one token alone (outside it: there the two op sets must agree
     bitwise)."""
-    from graphexec.kernels import REFERENCE_OPS
+    from graphexec.kernels import REFERENCE_OPS, triton_ops
     from graphexec.kernels.triton_ops import TRITON_OPS, fused_ops
     from test_hf_parity import PROMPTS, _graphexec_prefill_logits
+
+    monkeypatch.setattr(triton_ops, "FUSED_QKV_TRITON_MAX_ELEMENTS", 1 << 62 if qkv_triton else 0)
 
     path, _ = hf_dirs_moderate["llama"]
     dev = str(DEV)
@@ -108,7 +111,8 @@ def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed):
 def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
     """projections="auto": from FUSED_MIN_ROWS to FUSED_MAX_ROWS rows o and down add the
     residual in their epilogue and gate_up applies silu * mul in its (residual None comes
-    back: already added); other row counts leave the add to the next norm."""
+    back: already added), and a small qkv weight runs on Triton; other row counts leave the
+    add to the next norm and run cuBLAS."""
     from graphexec.kernels import triton_ops
 
     ops, lt = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt
@@ -121,12 +125,16 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
         x, res = _randn((m, h), torch.bfloat16, 54), _randn((m, h), torch.bfloat16, 55)
         out, r = ops.out_linear(x, w_o, res)
         y, r2 = ops.mlp(x, res, nw, 1e-6, w_gu, w_down)
+        qkv, summed = ops.norm_linear(x, None, nw, 1e-6, w_o)  # a small weight, as qkv
         if triton_ops.FUSED_MIN_ROWS <= m <= triton_ops.FUSED_MAX_ROWS:
+            cfg = lt.pick_fused_config(m, h, h, "qkv")
+            assert torch.equal(qkv, lt.linear(lt._norm(x, None, nw, 1e-6)[0], w_o, config=cfg))
             assert r is None and torch.equal(out, lt.linear_add(x, w_o, res))
             normed, summed = lt._norm(x, res, nw, 1e-6)
             want = lt.linear_add(lt.linear_silu(normed, w_gu), w_down, summed)
             assert r2 is None and torch.equal(y, want)
         else:
+            assert torch.equal(qkv, ops.linear(lt._norm(x, None, nw, 1e-6)[0], w_o))
             assert r is res and torch.equal(out, ops.linear(x, w_o))
             gate_up, summed = ops.norm_linear(x, res, nw, 1e-6, w_gu)
             assert torch.equal(r2, summed)

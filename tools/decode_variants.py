@@ -341,8 +341,9 @@ def main() -> None:
     ap.add_argument("--fused-rows", default="2,64", metavar="MIN,MAX")
     ap.add_argument("--fused-config", action="append", default=[],
                     metavar="KIND=BM,BN,BK,SPLIT,WARPS,STAGES")
-    ap.add_argument("--fused-qkv-triton", action="store_true",
-                    help="fused: the qkv projection on Triton (triton_ops.FUSED_QKV_TRITON)")
+    ap.add_argument("--fused-qkv", choices=["triton", "cublas"], default=None,
+                    help="fused: the qkv projection on Triton or cuBLAS whatever its size "
+                         "(default: triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS decides)")
     ap.add_argument("--attn", default=None, metavar="KEY=V[,KEY=V]",
                     help="decode attention launch knobs (attention_triton.DECODE_TUNING): "
                          "block_n, num_warps, num_stages, merge, prefetch")
@@ -359,7 +360,8 @@ def main() -> None:
         triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.auto_ops(triton_ops.AUTO_MAX_ROWS)
     elif args.variant == "fused":
         from graphexec.kernels import triton_ops
-        triton_ops.FUSED_QKV_TRITON = args.fused_qkv_triton
+        if args.fused_qkv is not None:
+            triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS = 1 << 62 if args.fused_qkv == "triton" else 0
         _fused(args.fused_rows, args.fused_config)
     elif args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
