@@ -24,9 +24,10 @@ demo: install
 test: install-test
 	$(PYTHON) -m pytest -q
 
-# On the GPU machine: its torch/triton/transformers are already there.
+# On the GPU machine: its torch/triton/transformers are already there, and it has no network
+# for an isolated build environment (a fresh machine failed to fetch setuptools): its own.
 test-gpu:
-	$(PYTHON) -m pip install -q --no-deps -e .
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pytest -q -m gpu
 
 # The lifecycle state machines under fresh random seeds (CI runs them derandomized).
