@@ -53,9 +53,15 @@ def _repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _interleave(states: list[FinalHidden]) -> FinalHidden:
     """Draft steps' [B, H] states -> [B * (K + 1), H] in the verify's row order (row r's K + 1
-    positions together)."""
-    return FinalHidden(torch.stack([s.out for s in states], dim=1).flatten(0, 1),
-                       torch.stack([s.residual for s in states], dim=1).flatten(0, 1))
+    positions together). The steps ran the same B rows, so the same kernels: either all of
+    them left the residual apart or none did (residual None: an op set that adds it in the
+    projections' epilogues, triton_ops.fused_ops, already did)."""
+    def rows(parts):
+        return torch.stack(parts, dim=1).flatten(0, 1)
+
+    residuals = [s.residual for s in states]
+    return FinalHidden(rows([s.out for s in states]),
+                       None if residuals[0] is None else rows(residuals))
 
 
 def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv: KVCache,

@@ -148,6 +148,8 @@ class ModelRunner:
             ids += p.token_ids
             pos += range(n)
             first = len(slots)
+            if len(p.blocks) * bs < n:  # the scheduler reserves them first: a bug if not
+                raise RuntimeError(f"row {p.row}: {len(p.blocks)} blocks for {n} tokens")
             for block in p.blocks[:-(-n // bs)]:  # whole blocks, the last one trimmed below
                 slots += range(block * bs, block * bs + bs)
             del slots[first + n:]

@@ -44,8 +44,11 @@ FUSE_MAX_ROWS = 1
 # then the input normalised exactly as kernels/rmsnorm.py rounds it) stays for split K, where
 # no program sees the whole row, and for comparison (tools/decode_variants.py).
 NORM_ONE_PASS = True
-# Projections of up to this many rows launch as programmatic dependents (kernels/pdl.py).
-PDL_MAX_ROWS = MAX_ROWS
+# Projections of up to this many rows launch as programmatic dependents (kernels/pdl.py); no
+# limit unless a tool sets one to compare. (A limit would also split the batch-invariant
+# projections into a PDL build for small row counts and a normal one above, which may round
+# differently by an ulp: no longer batch-invariant.)
+PDL_MAX_ROWS = 1 << 62
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -160,8 +163,8 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
-                   RES_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+                   RES_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
@@ -353,6 +356,9 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     split = triton.cdiv(k, k_per_split)
     if split > 1 and silu_out:
         raise ValueError(f"the silu epilogue needs whole K sums, got split_k={cfg.split_k}")
+    if silu_out and bias is not None or res_out is not None and residual is not None:
+        raise ValueError("the silu epilogue takes no bias, and a residual goes either into "
+                         "the prologue or the epilogue")
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
     dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS

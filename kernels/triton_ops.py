@@ -111,10 +111,12 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
     """base with, for batches of min_rows..max_rows rows, the residual add and the activation
     moved into the projections' epilogues (tensor-core Triton kernels): o and down add the
     residual stream to their output, so the norms after them only normalise; gate_up computes
-    silu(gate) * up; a small qkv projection (FUSED_QKV_TRITON_MAX_ELEMENTS) runs on Triton too. A layer is then eight launches instead of nine, and the activation makes
-    no extra round trip through memory. The norms stay their own kernels: folded into the
-    prologue at 64 rows, where every program re-reads the rows, the qkv projection ran 2.5x
-    slower (tools/tune_fused.py). Other row counts, and the LM head, run as in base."""
+    silu(gate) * up; a small qkv projection (FUSED_QKV_TRITON_MAX_ELEMENTS) runs on Triton
+    too. A layer is then eight launches instead of nine, and the activation makes no extra
+    round trip through memory. The norms stay their own kernels: folded into the prologue at
+    64 rows, where every program re-reads the rows, the qkv projection ran 2.5x slower
+    (tools/tune_fused.py). Other row counts, and the LM head, run as in base. A wrong guess of
+    last_qkv_triton (below) costs speed only: the prefetch is safe at any row count."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 
@@ -134,8 +136,9 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
         return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows), summed
 
     def rope_decode_attention(q, *args):
-        prefetch = True if fused(q) and last_qkv_triton[0] else None
-        return base.rope_decode_attention(q, *args, prefetch=prefetch)
+        if fused(q) and last_qkv_triton[0]:
+            return base.rope_decode_attention(q, *args, prefetch=True)
+        return base.rope_decode_attention(q, *args)
 
     def out_linear(x, weight, residual):
         if not fused(x) or residual is None:

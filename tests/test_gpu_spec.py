@@ -38,6 +38,22 @@ def test_greedy_speculative_graphs_equal_plain(plain_greedy_gpu, draft, k, async
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_self_draft_at_buckets_of_the_fused_projections(async_scheduling):
+    """40 rows run the 48 bucket, where the default op set adds the residual in the o and down
+    projections' epilogues and leaves the draft states' residual None: the verify must take
+    them as they are (float32, where those ops fall back to torch, so greedy output equals
+    plain decoding exactly)."""
+    opts = dict(GPU, max_batch=64, buckets=[1, 2, 4, 8, 16, 32, 48, 64])
+    prompts = [[random.Random(100 + i).randrange(2, 512) for _ in range(4 + i % 9)]
+               for i in range(40)]
+    plain = [o.token_ids for o in LLM("tiny", **opts).generate(prompts, GREEDY)]
+    llm = LLM("tiny", async_scheduling=async_scheduling, cuda_graphs=True,
+              speculative=SpeculativeConfig("self:2", 2), **opts)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_min_tokens_hold_at_every_verified_position_at_batch_one(async_scheduling):
     """One request (bucket 1) whose stop ids are tokens plain decoding emits, held back by
     min_tokens: every verify row of the speculative step must see the request's own floor.

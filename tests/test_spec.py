@@ -239,3 +239,20 @@ def test_repeat_rows_is_a_dense_repeat_interleave():
     for x in (torch.arange(3), torch.arange(1), torch.arange(12).view(3, 4), torch.arange(4)[None]):
         got = _repeat_rows(x, 5)
         assert torch.equal(got, x.repeat_interleave(5, dim=0)) and got.is_contiguous()
+
+
+def test_interleave_takes_states_whose_residual_is_already_added():
+    """Draft states from an op set that adds the residual in the projections' epilogues
+    (triton_ops.fused_ops, 33-64 rows) carry residual None; the verify's interleaved state
+    then does too, with the outputs in its row order (row r's K + 1 positions together)."""
+    from graphexec.capture.spec_iteration import _interleave
+    from graphexec.model.llama import FinalHidden
+
+    outs = [torch.randn(3, 4) for _ in range(2)]
+    got = _interleave([FinalHidden(o, None) for o in outs])
+    assert got.residual is None
+    assert torch.equal(got.out, torch.stack(outs, dim=1).reshape(6, 4))
+    res = [torch.randn(3, 4) for _ in range(2)]
+    both = _interleave([FinalHidden(o, r) for o, r in zip(outs, res)])
+    assert torch.equal(both.out, got.out)
+    assert torch.equal(both.residual[1::2], res[1]) and torch.equal(both.residual[::2], res[0])

@@ -262,7 +262,8 @@ def _attention_splits(n: int) -> None:
 
 STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "attn-splits2": partial(_attention_splits, 2),
-                   "attn-splits3": partial(_attention_splits, 3),"two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
+                   "attn-splits3": partial(_attention_splits, 3),
+                   "two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
                    "no-prefetch": _no_prefetch, "stop13": _stop13,
                    "prefetch-all": partial(_set_tuning, "prefetch", 1),
                    "tail-not-dependent": _tail_not_dependent,

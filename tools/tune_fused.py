@@ -111,13 +111,14 @@ def main() -> None:
         chain = dict(m=m, kind="layer chain", cublas_us=round(time_graph(cublas_chain, LAYERS)
                                                              * 1e6, 2),
                      configs={k: vars(c) for k, c in best.items()})
-        for pdl_rows in (lt.MAX_ROWS, 0):  # projections as programmatic dependents, or not
+        pdl_limit = lt.PDL_MAX_ROWS
+        for pdl_rows in (pdl_limit, 0):  # projections as programmatic dependents, or not
             lt.PDL_MAX_ROWS = pdl_rows
             for qkv_triton in (0, 1):
                 fn = lambda i: fused_chain(i, qkv_triton)
                 key = f"fused_qkv{'triton' if qkv_triton else 'cublas'}_pdl{int(pdl_rows > 0)}_us"
                 chain[key] = round(time_graph(fn, LAYERS) * 1e6, 2)
-        lt.PDL_MAX_ROWS = lt.MAX_ROWS
+        lt.PDL_MAX_ROWS = pdl_limit
         results.append(chain)
         print(json.dumps(chain), flush=True)
     os.makedirs(args.out, exist_ok=True)
