@@ -59,6 +59,14 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   cublaslt    every cuBLAS projection through cuBLASLt (torch's preferred_blas_library)
   attn-splits2, attn-splits3
               decode attention with 2 / 3 context splits per row at every batch size
+Stop 17 changes, each undone alone:
+  split-sum-launch
+              split-K partials summed by a second launch (linear_triton.SPLIT_MERGE = False)
+  embedding-torch
+              the forward's embedding gather as torch's normal launch, not the PDL kernel
+  no-norms-timing
+              TIMING ONLY, wrong outputs: every RMSNorm kernel of a 33-64 row batch skipped
+              (the input passed on as if normed): what removing them could save at most
 Decode attention:
   min-tiles1, min-tiles2, min-tiles4, min-tiles8
                    a row takes one more split per this many 64-key tiles of its context (up to
@@ -255,6 +263,30 @@ def _cublaslt() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
+def _split_sum_launch() -> None:
+    lt.SPLIT_MERGE = False
+
+
+def _no_norms_timing() -> None:
+    shipped = lt._norm
+
+    def skip(x, residual, norm_weight, eps):
+        if residual is None and 33 <= x.shape[0] <= 64:
+            return x, x
+        return shipped(x, residual, norm_weight, eps)
+    lt._norm = skip
+
+
+def torch_embedding() -> None:
+    """The embedding gather as F.embedding (a normal launch) in the default op set."""
+    from dataclasses import replace
+
+    from graphexec.kernels import triton_ops
+    from graphexec.kernels.embedding import embedding_ref
+    triton_ops.TRITON_SINGLE_ROW_OPS = replace(triton_ops.TRITON_SINGLE_ROW_OPS,
+                                               embedding=embedding_ref)
+
+
 def _attention_splits(n: int) -> None:
     from graphexec.kernels import attention_triton
     attention_triton._decode_num_splits = lambda *args: n
@@ -279,7 +311,9 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "lmhead64": partial(_small_rows_triton, "lm_head", 64),
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
-                                                      "o+lm_head+qkv+down")}
+                                                      "o+lm_head+qkv+down"),
+                   "split-sum-launch": _split_sum_launch, "embedding-torch": torch_embedding,
+                   "no-norms-timing": _no_norms_timing}
 
 
 def _auto_rows(max_rows: int) -> None:
