@@ -7,13 +7,12 @@ from typing import Callable
 
 import torch
 
-from . import activation, advance, attention, embedding, linear, rmsnorm, rope, sampling
+from . import activation, advance, attention, linear, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
 class Ops:
     name: str
-    embedding: Callable  # (ids [T], weight [vocab, hidden]) -> [T, hidden]
     rms_norm: Callable
     add_rms_norm: Callable
     apply_rope: Callable
@@ -46,7 +45,6 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     name="reference",
-    embedding=embedding.embedding_ref,
     rms_norm=rmsnorm.rms_norm_ref,
     add_rms_norm=rmsnorm.add_rms_norm_ref,
     apply_rope=rope.apply_rope_ref,

@@ -78,9 +78,8 @@ _OUTGROWN: list[torch.Tensor] = []
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The ticket counters of a split merge, one per (row, KV head) here, one per output tile
-    in kernels/linear_triton.py: zero between launches (the last program of each resets its
-    own). One buffer per device, kept for the
+    """The ticket counters of the split merge, one per (row, KV head): zero between launches
+    (the last program of each row resets its own). One buffer per device, kept for the
     process, so captured graphs keep pointing at live, zeroed memory. Launches sharing it must
     not run concurrently: the engine issues everything on one stream at a time (graph warm-up
     on a side stream is joined before capture), and a programmatic dependent waits for the

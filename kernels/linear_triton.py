@@ -5,9 +5,8 @@ batch-invariant variant for any row count. Reference: kernels/linear.py.
 Why: at decode the projections are weight streaming, and cuBLAS runs the small ones well below
 copy bandwidth at M = 1 (about 54% for llama-1b's qkv and o, see docs/benchmarks.md). Each
 program owns BLOCK_N output columns, walks K in BLOCK_K steps and reads every weight byte once;
-when N / BLOCK_N programs are too few to keep HBM busy, K is split over a second grid axis and
-the last split of each output tile to finish (an atomic ticket) sums the fp32 partials in a
-fixed order: deterministic, whichever program does it.
+when N / BLOCK_N programs are too few to keep HBM busy, K is split over a second grid axis and a
+small kernel sums the fp32 partials in a fixed order (deterministic, no atomics).
 
 Numerics: bf16/fp16 only (fp32 goes to torch: tensor-core dots would round it to tf32). Given
 one config, a row's result does not depend on M or on the other rows (its sum runs over the same
@@ -30,7 +29,6 @@ import triton.language as tl
 
 from . import pdl
 from .activation_triton import silu_mul
-from .attention_merge_triton import _split_counters
 from .norm_rope_triton import add_rms_norm, rms_norm
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
@@ -51,10 +49,6 @@ NORM_ONE_PASS = True
 # projections into a PDL build for small row counts and a normal one above, which may round
 # differently by an ulp: no longer batch-invariant.)
 PDL_MAX_ROWS = 1 << 62
-# Split-K partials summed by the last split of each output tile (a ticket counter per tile)
-# instead of by _split_sum_kernel, a second launch; the same sums in the same order, so the
-# same bits. False keeps the second launch (tools/decode_variants.py compares the two).
-SPLIT_MERGE = True
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -165,13 +159,13 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr, cnt_ptr,
+def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    M, N, K, k_per_split, eps, sx, sr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
-                   RES_OUT: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                   UPCAST: tl.constexpr, PDL: tl.constexpr):
+                   RES_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
+                   PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
@@ -259,52 +253,20 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    r_out = r_ptr + rm.to(tl.int64)[:, None] * sr + rn[None, :]
-    splits = tl.num_programs(1)
-    if splits == 1:
-        _store_out(out_ptr + flat, acc, acc_up, r_out, out_mask, dtype, SILU_OUT, RES_OUT)
-    else:
-        # fp32 partials [splits, M, N]; SILU_OUT: the up projection's [splits, M, N] after them
-        part_size = M.to(tl.int64) * N
-        tl.store(ws_ptr + pid_k * part_size + flat, acc, mask=out_mask)
-        if SILU_OUT:
-            tl.store(ws_ptr + (splits + pid_k) * part_size + flat, acc_up, mask=out_mask)
-        if MERGE:
-            # The last split of this output tile to finish sums the fp32 partials, in split
-            # order as _split_sum_kernel does (the same bits), and resets its ticket counter:
-            # no second launch. Every warp's stores are issued before the ticket's release.
-            tl.debug_barrier()
-            counter = cnt_ptr + tl.program_id(0)
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == splits - 1:
-                total = tl.zeros_like(acc)
-                total_up = total
-                for s in range(0, splits):
-                    total += tl.load(ws_ptr + s * part_size + flat, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")
-                    if SILU_OUT:
-                        total_up += tl.load(ws_ptr + (splits + s) * part_size + flat,
-                                            mask=out_mask, other=0.0, cache_modifier=".cg")
-                _store_out(out_ptr + flat, total, total_up, r_out, out_mask, dtype, SILU_OUT,
-                           RES_OUT)
-                tl.store(counter, 0)
-
-
-@triton.jit
-def _store_out(out_ptrs, acc, acc_up, r_ptrs, mask, dtype: tl.constexpr,
-               SILU_OUT: tl.constexpr, RES_OUT: tl.constexpr):
-    """The finished fp32 sums to the output dtype, rounded like the separate kernels: with
-    SILU_OUT silu(gate) * up (both projections rounded, silu, the product); with RES_OUT plus
-    the residual (the projection first, then the fp32 add)."""
-    if SILU_OUT:
+    if SILU_OUT:  # rounded like the separate kernels: both projections, silu, the product
         g = acc.to(dtype).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
-    if RES_OUT:
-        acc = acc.to(dtype).to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(dtype), mask=mask)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if tl.num_programs(1) == 1:
+        if RES_OUT:  # rounded like the reference: the projection, then the fp32 add
+            rv = tl.load(r_ptr + rm.to(tl.int64)[:, None] * sr + rn[None, :], mask=out_mask,
+                         other=0.0)
+            acc = acc.to(dtype).to(tl.float32) + rv.to(tl.float32)
+        tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + flat, acc, mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -393,31 +355,27 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    if split > 1 and silu_out and not SPLIT_MERGE:
-        raise ValueError(f"the silu epilogue needs whole K sums, got split_k={cfg.split_k} "
-                         "without SPLIT_MERGE")
+    if split > 1 and silu_out:
+        raise ValueError(f"the silu epilogue needs whole K sums, got split_k={cfg.split_k}")
     if silu_out and bias is not None or res_out is not None and residual is not None:
         raise ValueError("the silu epilogue takes no bias, and a residual goes either into "
                          "the prologue or the epilogue")
-    ws = _new(((2 if silu_out else 1) * split, m, n), torch.float32, x.device) \
-        if split > 1 else out
+    ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
-    merge = split > 1 and SPLIT_MERGE
-    counters = _split_counters(x.device, grid[0]) if merge else out
     dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS
     r = residual if residual is not None else (res_out if res_out is not None else x)
     _linear_kernel[grid](
         x, r, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else x, out, summed, ws, counters,
+        bias if bias is not None else x, out, summed, ws,
         m, n, k, k_per_split, eps, x.stride(0), r.stride(0),
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
-        SILU_OUT=silu_out, RES_OUT=res_out is not None, MERGE=merge,
+        SILU_OUT=silu_out, RES_OUT=res_out is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
-    if split > 1 and not merge:
+    if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](
             ws, out, r, m * n, SPLIT=split, BLOCK=block, RES_OUT=res_out is not None,

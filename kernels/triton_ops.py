@@ -37,15 +37,13 @@ from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
-               embedding_triton, linear_triton, norm_rope_triton, sampling_triton,
-               stop_tokens_triton)
+               linear_triton, norm_rope_triton, sampling_triton, stop_tokens_triton)
 from . import Ops  # noqa: E402
 from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref  # noqa: E402
 
 TRITON_OPS = Ops(
     name="triton",
-    embedding=embedding_triton.embedding,
     rms_norm=norm_rope_triton.rms_norm,
     add_rms_norm=norm_rope_triton.add_rms_norm,
     apply_rope=norm_rope_triton.apply_rope,

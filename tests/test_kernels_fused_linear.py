@@ -12,10 +12,8 @@ from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test
 # (m, intermediate, hidden): ragged row and column counts hit the masks
 SILU_SHAPES = big([(64, 8192, 2048), (33, 1000, 896), (5, 2048, 1024), (2, 64, 256)],
                   [(3, 40, 96), (17, 24, 64)])
-# split > 1: both projections' partials merged by the tile's last split, then the silu
-SILU_CONFIGS = big([None, (64, 32, 64, 1), (16, 16, 128, 1), (64, 64, 128, 1), (64, 32, 64, 4),
-                    (16, 16, 128, 3)],
-                   [None, (16, 16, 32, 1), (16, 16, 32, 2)])
+SILU_CONFIGS = big([None, (64, 32, 64, 1), (16, 16, 128, 1), (64, 64, 128, 1)],
+                   [None, (16, 16, 32, 1)])
 
 
 def _ref_linear(x, w):
@@ -57,7 +55,7 @@ def test_linear_silu(K, m, inter, hidden, config):
 @pytest.mark.parametrize("config", big([None, (64, 16, 128, 1), (64, 32, 128, 4),
                                         (16, 16, 256, 2)], [None, (16, 16, 32, 3)]))
 def test_linear_add(K, m, n, k, config):
-    """Split K (config split > 1) takes the residual where the partials are summed."""
+    """Split K (config split > 1) takes the residual in the partial-sum kernel."""
     dtype = torch.bfloat16
     x = _randn((m, k), dtype, 44)
     w = _randn((n, k), dtype, 45, k ** -0.5)
@@ -71,43 +69,9 @@ def test_linear_add(K, m, n, k, config):
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [2, 3, 4])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_split_merge_in_kernel_equals_the_second_launch(K, monkeypatch, split, with_residual):
-    """The last split of each tile sums the partials (SPLIT_MERGE): bitwise what the partial-sum
-    launch gives, in repeated launches (the ticket counters reset) and for grids larger than
-    the one before."""
-    from graphexec.kernels.attention_merge_triton import _split_counters
-    dtype = torch.bfloat16
-    shapes = big([(64, 2048, 8192), (40, 4096, 1536)], [(17, 48, 160), (3, 80, 96)])
-    for i, (m, n, k) in enumerate(shapes):
-        x = _randn((m, k), dtype, 50 + i)
-        w = _randn((n, k), dtype, 52 + i, k ** -0.5)
-        res = _randn((m, n), dtype, 54 + i, 3.0)
-        cfg = K.lt.LinearConfig(16, 16, 32 if INTERPRET else 128, split)
-
-        def run():
-            if with_residual:
-                return K.lt.linear_add(x, w, res, config=cfg)
-            return K.lt.linear(x, w, config=cfg)
-        monkeypatch.setattr(K.lt, "SPLIT_MERGE", False)
-        want = run()
-        monkeypatch.setattr(K.lt, "SPLIT_MERGE", True)
-        for _ in range(3):
-            got = run()
-            assert torch.equal(got, want)
-        tiles = -(-n // 16) * -(-m // 16)
-        assert int(_split_counters(x.device, tiles)[:tiles].abs().sum()) == 0
-        _check(want, (_ref_linear(x, w).float() + (res.float() if with_residual else 0)
-                      ).to(dtype), dtype, "reduction")
-
-
-@kernel_test
-@pytest.mark.gpu
-def test_silu_epilogue_refuses_split_k_without_the_merge(K, monkeypatch):
+def test_silu_epilogue_refuses_split_k(K):
     x = _randn((4, 256), torch.bfloat16, 47)
     w = _randn((64, 256), torch.bfloat16, 49)
-    monkeypatch.setattr(K.lt, "SPLIT_MERGE", False)
     with pytest.raises(ValueError, match="split_k=2"):
         K.lt.linear_silu(x, w, config=K.lt.LinearConfig(16, 16, 32, 2))
 

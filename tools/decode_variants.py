@@ -59,11 +59,6 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   cublaslt    every cuBLAS projection through cuBLASLt (torch's preferred_blas_library)
   attn-splits2, attn-splits3
               decode attention with 2 / 3 context splits per row at every batch size
-Stop 17 changes, each undone alone:
-  split-sum-launch
-              split-K partials summed by a second launch (linear_triton.SPLIT_MERGE = False)
-  embedding-torch
-              the forward's embedding gather as torch's normal launch, not the PDL kernel
   no-norms-timing
               TIMING ONLY, wrong outputs: every RMSNorm kernel of a 33-64 row batch skipped
               (the input passed on as if normed): what removing them could save at most
@@ -263,10 +258,6 @@ def _cublaslt() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
-def _split_sum_launch() -> None:
-    lt.SPLIT_MERGE = False
-
-
 def _no_norms_timing() -> None:
     shipped = lt._norm
 
@@ -275,16 +266,6 @@ def _no_norms_timing() -> None:
             return x, x
         return shipped(x, residual, norm_weight, eps)
     lt._norm = skip
-
-
-def torch_embedding() -> None:
-    """The embedding gather as F.embedding (a normal launch) in the default op set."""
-    from dataclasses import replace
-
-    from graphexec.kernels import triton_ops
-    from graphexec.kernels.embedding import embedding_ref
-    triton_ops.TRITON_SINGLE_ROW_OPS = replace(triton_ops.TRITON_SINGLE_ROW_OPS,
-                                               embedding=embedding_ref)
 
 
 def _attention_splits(n: int) -> None:
@@ -312,7 +293,6 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
-                   "split-sum-launch": _split_sum_launch, "embedding-torch": torch_embedding,
                    "no-norms-timing": _no_norms_timing}
 
 

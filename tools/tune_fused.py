@@ -34,16 +34,13 @@ LAYERS = 16
 
 
 def candidates(m: int, kind: str) -> list[lt.LinearConfig]:
-    """K splits for every kind: since stop 17 the tile's last split merges the partials (no
-    second launch), so fewer, wider column blocks over split K may now pay."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    add = kind.startswith("add")
     out = []
     for bn, bk, split, stages in itertools.product(
-            [16, 32, 64, 128], [64, 128], [1, 2, 4, 8], [4, 5]):
-        if kind == "silu" and (bn not in (32, 64) or bk == 128 or split == 8):
-            continue  # two accumulators: wide tiles spill, narrow ones did not pay (stop 16)
-        if kind != "silu" and (bk == 64 or (stages == 5 and split > 1)):
-            continue
+            [16, 32, 64], [128] if add else [64, 128], [1, 2, 4] if add else [1], [4, 5]):
+        if kind == "silu" and (bn == 16 or bk == 128):
+            continue  # two accumulators: wide tiles spill, narrow ones did not pay (call 1)
         out.append(lt.LinearConfig(block_m, bn, bk, split, num_warps=4, num_stages=stages))
     return out
 
