@@ -33,11 +33,14 @@ class Ops:
     silu_mul_linear: Callable  # (gate_up, weight, bias) -> proj(silu(gate) * up)
     # A layer's two projections whose outputs join the residual stream, composed by the kernel
     # set (the add in their epilogue rather than the next norm's prologue): both return
-    # (h, residual), the stream being h + residual, or h alone when residual is None. None:
-    # the model composes linear, norm_linear and silu_mul_linear, leaving each add to the
-    # next norm.
-    out_linear: Callable | None = None  # (x, weight, residual) -> (h, residual)
-    mlp: Callable | None = None  # (x, residual, norm_w, eps, gate_up, down) -> (h, residual)
+    # (h, residual), the stream being h + residual, or h alone when residual is None. Each is
+    # told the weight of the norm that follows it (None after the last layer), whose work it
+    # may begin: h is then the op set's own type (linear_triton.Prenormed), which only its
+    # norm_linear and mlp read. None: the model composes linear, norm_linear and
+    # silu_mul_linear, leaving each add to the next norm.
+    out_linear: Callable | None = None  # (x, weight, residual, next_norm_w) -> (h, residual)
+    # (x, residual, norm_w, eps, gate_up, down, next_norm_w) -> (h, residual)
+    mlp: Callable | None = None
     # rope_write_kv + decode_attention in one op, for decode batches whose rows are distinct
     # sequences; None: the model calls the two.
     rope_decode_attention: Callable | None = None

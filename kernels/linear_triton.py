@@ -159,11 +159,12 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
-                   M, N, K, k_per_split, eps, sx, sr,
+def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr, g_ptr, ss_ptr,
+                   M, N, K, k_per_split, eps, sx, sr, n_ss,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
-                   RES_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+                   BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                    PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
@@ -172,6 +173,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     # program streams the gate rows of its columns and the matching up rows, so the activation
     # is an epilogue (no program recomputes another's). RES_OUT: the residual stream r (M x N)
     # is added to the output in the epilogue (HAS_RES, the add in the prologue, is then off).
+    # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections (Prenormed, below).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks
@@ -229,6 +231,12 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         acc, acc_up, ss = _step(acc, acc_up, ss, w_first, w_up_first, x_rows, r_rows, nw_ptr,
                                 sum_rows, K, ks0, ks0 < k_hi, m_ok, rstd, writes_sum, dtype,
                                 NORM, HAS_RES, GATED, ONE_PASS, SILU_OUT, BLOCK_M, UPCAST)
+    if ROW_SCALE:
+        # The producer's per-tile sums of squares of these rows, loaded now and summed after
+        # the loop, so their latency hides behind the weight stream.
+        ts = tl.arange(0, BLOCK_SS)
+        ss_parts = tl.load(ss_ptr + ts[:, None] * M + rm[None, :],
+                           mask=(ts < n_ss)[:, None] & m_ok[None, :], other=0.0)
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
@@ -250,6 +258,10 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         inv_rms = (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
         acc = acc * inv_rms
         acc_up = acc_up * inv_rms
+    if ROW_SCALE:
+        inv_rms = (1.0 / tl.sqrt_rn(tl.sum(ss_parts, axis=0) / K + eps))[:, None]
+        acc = acc * inv_rms
+        acc_up = acc_up * inv_rms
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -265,25 +277,47 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                          other=0.0)
             acc = acc.to(dtype).to(tl.float32) + rv.to(tl.float32)
         tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
+        if NORM_OUT:
+            _norm_out(acc.to(dtype), flat, rm, rn, m_ok, n_ok, pid_n, M, nw_ptr, g_ptr, ss_ptr)
     else:
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + flat, acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["total"])
-def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                      RES_OUT: tl.constexpr, PDL: tl.constexpr):
-    """The K splits' fp32 partials summed in split order; RES_OUT: plus the (dense) residual,
-    after rounding the sum as the single-split epilogue does."""
+@triton.jit
+def _norm_out(h, flat, rm, rn, m_ok, n_ok, tile, M, nw_ptr, g_ptr, ss_ptr):
+    """NORM_OUT: for the finished output tile h (rows rm, columns rn, the output dtype), the
+    next RMSNorm's share: g = h * norm weight, rounded, and each row's sum of squares over the
+    tile's columns into ss[tile, row] (masked elements of h are 0 and add nothing)."""
+    hf = h.to(tl.float32)
+    nw = tl.load(nw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(g_ptr + flat, (hf * nw[None, :]).to(h.dtype), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(ss_ptr + tile * M + rm, tl.sum(hf * hf, axis=1), mask=m_ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, M, N,
+                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, RES_OUT: tl.constexpr,
+                      NORM_OUT: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, column block): the K splits' fp32 partials summed in split order; RES_OUT:
+    plus the (dense) residual, after rounding the sum as the single-split epilogue does;
+    NORM_OUT: the next norm's share, as _norm_out."""
     pdl.prologue(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    offs = row.to(tl.int64) * N + cols
+    total = M.to(tl.int64) * N
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * total.to(tl.int64) + offs, mask=ok, other=0.0)
+        acc += tl.load(ws_ptr + s * total + offs, mask=ok, other=0.0)
     if RES_OUT:
         acc = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + offs, mask=ok).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
+    if NORM_OUT:
+        rows = row + tl.arange(0, 1)
+        _norm_out(acc.to(dtype)[None, :], offs[None, :], rows, cols, rows < M, ok,
+                  tl.program_id(1), M, nw_ptr, g_ptr, ss_ptr)
 
 
 def pick_config(m: int, n: int, k: int) -> LinearConfig:
@@ -342,10 +376,36 @@ def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
                for t in (weight, *others) if t is not None)
 
 
+@dataclass
+class Prenormed:
+    """The residual stream h ([rows, hidden], a projection's output plus the residual) with the
+    next RMSNorm half done by that projection's epilogue (NORM_OUT): g = h * norm_weight,
+    rounded, and each row's sum of squares in per-tile parts, ss [tiles, rows] in fp32. The
+    projection after the norm takes g as its input and scales its dot products by 1 / rms(h)
+    (ROW_SCALE), so no norm kernel runs between the two. The rounding differs from
+    kernels/rmsnorm.py's (h * norm weight rounded once, 1 / rms applied to the fp32 sums):
+    within the dtype's reduction tolerance, not bitwise."""
+
+    h: torch.Tensor
+    g: torch.Tensor
+    ss: torch.Tensor
+    norm_weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.h.shape
+
+
+_SUM_BLOCK = 1024  # columns per program of _split_sum_kernel
+
+
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
-            gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None):
+            gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None,
+            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
-    [gate | up] and the output silu(gate) * up; res_out: a residual added to the output."""
+    [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
+    norm_out: with res_out, the next norm's weight: the output is a Prenormed; row_scale: a
+    Prenormed's ss, x being its g (eps: the norm's)."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
@@ -360,26 +420,41 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     if silu_out and bias is not None or res_out is not None and residual is not None:
         raise ValueError("the silu epilogue takes no bias, and a residual goes either into "
                          "the prologue or the epilogue")
+    if norm_out is not None and (res_out is None or silu_out) or (
+            row_scale is not None and norm_weight is not None):
+        raise ValueError("the norm's share goes after a residual epilogue, and its 1 / rms "
+                         "onto a projection without a norm of its own")
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
     dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS
     r = residual if residual is not None else (res_out if res_out is not None else x)
+    g = ss = None
+    if norm_out is not None:
+        g = _new((m, n), x.dtype, x.device)
+        tiles = triton.cdiv(n, cfg.block_n if split == 1 else _SUM_BLOCK)
+        ss = _new((tiles, m), torch.float32, x.device)
+    nw = next(t for t in (norm_weight, norm_out, x) if t is not None)
+    n_ss = 0 if row_scale is None else row_scale.shape[0]
     _linear_kernel[grid](
-        x, r, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else x, out, summed, ws,
-        m, n, k, k_per_split, eps, x.stride(0), r.stride(0),
+        x, r, nw, weight, bias if bias is not None else x, out, summed, ws,
+        g if g is not None else out, next(t for t in (ss, row_scale, out) if t is not None),
+        m, n, k, k_per_split, eps, x.stride(0), r.stride(0), n_ss,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
         SILU_OUT=silu_out, RES_OUT=res_out is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NORM_OUT=norm_out is not None and split == 1, ROW_SCALE=row_scale is not None,
+        BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            ws, out, r, m * n, SPLIT=split, BLOCK=block, RES_OUT=res_out is not None,
-            PDL=dependent, num_warps=4, launch_pdl=dependent)
+        block = min(_SUM_BLOCK, triton.next_power_of_2(n))
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            ws, out, r, nw, g if g is not None else out, ss if ss is not None else out, m, n,
+            SPLIT=split, BLOCK=block, RES_OUT=res_out is not None,
+            NORM_OUT=norm_out is not None, PDL=dependent, num_warps=4, launch_pdl=dependent)
+    if norm_out is not None:
+        return Prenormed(out, g, ss, norm_out), summed
     return out, summed
 
 
@@ -454,15 +529,35 @@ def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | N
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-               config: LinearConfig | None = None, max_rows: int = MAX_ROWS) -> torch.Tensor:
+               config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
+               next_norm: torch.Tensor | None = None) -> torch.Tensor | Prenormed:
     """linear(x) + residual in one kernel (the add in the epilogue, or in the split-K sum):
-    the attention output and MLP projections whose result joins the residual stream."""
-    if (not supported(x, weight, 1, residual, max_rows=max_rows)
+    the attention output and MLP projections whose result joins the residual stream.
+    next_norm: the weight of the RMSNorm after it; the result is then a Prenormed (torch's
+    fallback, for operands the kernel does not take, returns the plain sum)."""
+    if (not supported(x, weight, 1, residual, next_norm, max_rows=max_rows)
             or residual.shape != (x.shape[0], weight.shape[0])):
         return F.linear(x, weight) + residual
     return _launch(x, None, None, 0.0, weight, None,
                    config or pick_fused_config(x.shape[0], *weight.shape, "add"),
-                   res_out=residual)[0]
+                   res_out=residual, norm_out=next_norm)[0]
+
+
+def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                     silu_out: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """The projection of rms_norm(p.h) (p.norm_weight, eps) from its Prenormed form: p.g as the
+    input, 1 / rms in the epilogue. silu_out: the weight is [gate | up] and the result
+    silu(gate) * up, as linear_silu."""
+    m, k = p.g.shape
+    n = weight.shape[0] // 2 if silu_out else weight.shape[0]
+    if not supported(p.g, weight, 1, bias, max_rows=max_rows) or silu_out and (
+            weight.shape[0] % 2 or bias is not None):
+        out = F.linear(rms_norm(p.h, p.norm_weight, eps), weight, bias)
+        return silu_mul(out) if silu_out else out
+    cfg = config or pick_fused_config(m, n, k, "gate_up" if silu_out else "qkv")
+    return _launch(p.g, None, None, eps, weight, bias, cfg, silu_out=silu_out,
+                   row_scale=p.ss)[0]
 
 
 # Launch configs of the epilogue-fused projections (tools/tune_fused.py sets them to compare):
@@ -489,46 +584,3 @@ def pick_fused_config(m: int, n: int, k: int, kind: str) -> LinearConfig:
         return LinearConfig(block_m, 64, 128, split, num_warps=4, num_stages=5)
     block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 128))))
     return LinearConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=5)
-
-
-# ----------------------------------------------------------------------------------------------
-# Batch-invariant projections (EngineConfig.batch_invariant)
-
-# No row limit: prefills must be invariant too, since sync and async mode admit requests at
-# different steps and so pack different prefill batches (long prefills pay for it: this kernel
-# is no GEMM for thousands of rows).
-INVARIANT_MAX_ROWS = 1 << 62
-
-
-def invariant_config(n: int, k: int) -> LinearConfig:
-    """One config per weight shape, whatever the row count: a row's sum then runs over the same
-    K blocks with the same tensor-core tiles in the same order at every batch size, so a draft
-    step over B rows and a verify over B * (K + 1) rows give bitwise the same logits for the
-    same token at the same position, and a prompt's KV does not depend on the prefill batch it
-    was packed into."""
-    block_n, block_k = 32, 128
-    return LinearConfig(64, block_n, block_k, _split_k(triton.cdiv(n, block_n), 264, k, block_k))
-
-
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not supported(x, weight, 1, bias, max_rows=INVARIANT_MAX_ROWS):
-        return F.linear(x, weight, bias)
-    return _launch(x, None, None, 0.0, weight, bias, invariant_config(*weight.shape))[0]
-
-
-def silu_mul_linear_invariant(gate_up: torch.Tensor, weight: torch.Tensor,
-                              bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not supported(gate_up, weight, 2, bias, max_rows=INVARIANT_MAX_ROWS):
-        return silu_mul_then_linear(gate_up, weight, bias)
-    return _launch(gate_up, None, None, 0.0, weight, bias, invariant_config(*weight.shape),
-                   gated=True)[0]
-
-
-def norm_linear_invariant(x: torch.Tensor, residual: torch.Tensor | None,
-                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm stays its own kernel: fused, its mean square would be summed in the
-    projection's K blocks, and re-read by every program of a large verify batch."""
-    normed, summed = _norm(x, residual, norm_weight, eps)
-    return linear_invariant(normed, weight, bias), summed

@@ -37,7 +37,8 @@ from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
-               linear_triton, norm_rope_triton, sampling_triton, stop_tokens_triton)
+               linear_invariant_triton, linear_triton, norm_rope_triton, sampling_triton,
+               stop_tokens_triton)
 from . import Ops  # noqa: E402
 from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref  # noqa: E402
@@ -107,6 +108,20 @@ def auto_ops(max_rows: int) -> Ops:
 FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 
 
+# o and down begin the norm after them in their epilogue (linear_triton.Prenormed), and the
+# projection after the norm finishes it, where both run here: no norm kernel between them.
+PRENORM = True
+
+
+def _plain(x):
+    """The stream as a tensor, whether or not a projection began its next norm."""
+    return x.h if isinstance(x, linear_triton.Prenormed) else x
+
+
+def _prenormed_by(x, norm_weight) -> bool:
+    return isinstance(x, linear_triton.Prenormed) and x.norm_weight is norm_weight
+
+
 def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
     """base with, for batches of min_rows..max_rows rows, the residual add and the activation
     moved into the projections' epilogues (tensor-core Triton kernels): o and down add the
@@ -126,9 +141,14 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
 
     def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
         if weight.shape[0] >= WIDE_WEIGHT_ROWS:  # the LM head
-            return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
+            return base.norm_linear(_plain(x), residual, norm_weight, eps, weight, bias)
         triton_qkv = fused(x) and weight.numel() <= FUSED_QKV_TRITON_MAX_ELEMENTS
         last_qkv_triton[0] = triton_qkv
+        if triton_qkv and _prenormed_by(x, norm_weight):
+            config = linear_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
+            return linear_triton.prenormed_linear(x, eps, weight, bias, config,
+                                                  max_rows=max_rows), x.h
+        x = _plain(x)
         if not triton_qkv:
             return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
         normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
@@ -140,18 +160,27 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
             return base.rope_decode_attention(q, *args, prefetch=True)
         return base.rope_decode_attention(q, *args)
 
-    def out_linear(x, weight, residual):
+    def out_linear(x, weight, residual, next_norm=None):
         if not fused(x) or residual is None:
             return base.linear(x, weight), residual
-        return linear_triton.linear_add(x, weight, residual, max_rows=max_rows), None
+        return linear_triton.linear_add(x, weight, residual, max_rows=max_rows,
+                                        next_norm=next_norm if PRENORM else None), None
 
-    def mlp(x, residual, norm_weight, eps, gate_up, down):
+    def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
         if not fused(x):
-            h, summed = base.norm_linear(x, residual, norm_weight, eps, gate_up)
+            h, summed = base.norm_linear(_plain(x), residual, norm_weight, eps, gate_up)
             return base.silu_mul_linear(h, down), summed
-        normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
-        act = linear_triton.linear_silu(normed, gate_up, max_rows=max_rows)
-        return linear_triton.linear_add(act, down, summed, max_rows=max_rows), None
+        if _prenormed_by(x, norm_weight):
+            act = linear_triton.prenormed_linear(x, eps, gate_up, silu_out=True,
+                                                 max_rows=max_rows)
+            summed = x.h
+        else:
+            normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
+            act = linear_triton.linear_silu(normed, gate_up, max_rows=max_rows)
+        # the next layer's qkv takes a Prenormed only on Triton (this layer's tells)
+        prenorm = next_norm if PRENORM and last_qkv_triton[0] else None
+        return linear_triton.linear_add(act, down, summed, max_rows=max_rows,
+                                        next_norm=prenorm), None
 
     return replace(base, name=f"{base.name}-fused{min_rows}-{max_rows}",
                    norm_linear=norm_linear, out_linear=out_linear, mlp=mlp,
@@ -173,9 +202,9 @@ TRITON_SINGLE_ROW_OPS = fused_ops(auto_ops(AUTO_MAX_ROWS), FUSED_MIN_ROWS, FUSED
 # Per-row results that do not depend on the batch (EngineConfig.batch_invariant): what lets a
 # bf16 draft that equals the target be accepted every time.
 BATCH_INVARIANT_OPS = replace(TRITON_OPS, name="triton-batch-invariant",
-                              linear=linear_triton.linear_invariant,
-                              norm_linear=linear_triton.norm_linear_invariant,
-                              silu_mul_linear=linear_triton.silu_mul_linear_invariant,
+                              linear=linear_invariant_triton.linear_invariant,
+                              norm_linear=linear_invariant_triton.norm_linear_invariant,
+                              silu_mul_linear=linear_invariant_triton.silu_mul_linear_invariant,
                               decode_attention=attention_triton.decode_attention_invariant,
                               prefill_attention=attention_triton.prefill_attention_invariant,
                               # the separate rope_write_kv: prefill writes KV with it, and a

@@ -69,6 +69,67 @@ def test_linear_add(K, m, n, k, config):
 
 @kernel_test
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", big([(64, 2048, 8192), (64, 2048, 2048), (33, 1000, 896)],
+                                      [(17, 24, 160), (3, 40, 96)]))
+@pytest.mark.parametrize("config", big([None, (64, 16, 128, 1), (64, 64, 128, 4)],
+                                       [None, (16, 16, 32, 3)]))
+def test_residual_epilogue_begins_the_next_norm(K, m, n, k, config):
+    """linear_add with next_norm (Prenormed): the same stream h as without, g = h * norm weight
+    rounded once, and per-tile sums of squares that add up to each row's (the split-K sum
+    kernel's share included)."""
+    dtype = torch.bfloat16
+    x = _randn((m, k), dtype, 60)
+    w = _randn((n, k), dtype, 61, k ** -0.5)
+    res = _randn((m, n), dtype, 62, 3.0)
+    nw = (1.0 + 0.2 * _randn((n,), torch.float32, 63)).to(dtype)
+    cfg = K.lt.LinearConfig(*config) if config else None
+    p = K.lt.linear_add(x, w, res, config=cfg, next_norm=nw)
+    assert isinstance(p, K.lt.Prenormed) and p.norm_weight is nw
+    assert torch.equal(p.h, K.lt.linear_add(x, w, res, config=cfg))
+    g = (p.h.float() * nw.float()).to(dtype)
+    if INTERPRET:  # it truncates to bf16 where the GPU rounds to nearest: one ulp
+        torch.testing.assert_close(p.g, g, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(p.g, g)
+    torch.testing.assert_close(p.ss.sum(0), p.h.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,hidden,n", big([(64, 2048, 3072), (48, 2048, 8192), (33, 896, 1000)],
+                                           [(17, 64, 48), (3, 96, 40)]))
+@pytest.mark.parametrize("silu_out", [False, True])
+def test_prenormed_projection_equals_norm_then_projection(K, m, hidden, n, silu_out):
+    """A projection of a Prenormed (g in, 1 / rms(h) in the epilogue) against the RMSNorm
+    reference and an fp32 projection: no less accurate than the norm kernel and the projection
+    in two launches, the path it replaces."""
+    from graphexec.kernels import rmsnorm
+    dtype, eps = torch.bfloat16, 1e-5
+    h = _randn((m, hidden), dtype, 64, 3.0)
+    nw = (1.0 + 0.2 * _randn((hidden,), torch.float32, 65)).to(dtype)
+    w = _randn(((2 if silu_out else 1) * n, hidden), dtype, 66, hidden ** -0.5)
+    # the Prenormed of h itself: h = 0 @ W + h through the residual epilogue
+    zero = torch.zeros((m, 16), dtype=dtype, device=DEV)
+    p = K.lt.linear_add(zero, torch.zeros((hidden, 16), dtype=dtype, device=DEV), h,
+                        next_norm=nw)
+    assert torch.equal(p.h, h)
+    out = K.lt.prenormed_linear(p, eps, w, silu_out=silu_out)
+    normed = rmsnorm.rms_norm_ref(h.float(), nw.float(), eps)
+    truth = normed @ w.float().t()
+    two = K.lt.linear(rmsnorm.rms_norm_ref(h, nw, eps), w)  # the norm kernel's rounding
+    if silu_out:
+        truth = act_ref.silu_mul_ref(truth)
+        two = act_ref.silu_mul_ref(two)
+    assert out.shape == (m, n) and not torch.isnan(out).any()
+    err = (out.float() - truth).norm() / truth.norm()
+    if INTERPRET:  # it truncates at every bf16 rounding where the GPU rounds to nearest
+        assert err <= 0.03
+        return
+    assert err <= 1.25 * (two.float() - truth).norm() / truth.norm() + 1e-3
+
+
+@kernel_test
+@pytest.mark.gpu
 def test_silu_epilogue_refuses_split_k(K):
     x = _randn((4, 256), torch.bfloat16, 47)
     w = _randn((64, 256), torch.bfloat16, 49)

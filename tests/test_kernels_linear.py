@@ -114,10 +114,10 @@ def test_invariant_projections_do_not_depend_on_batch(K, kind):
 
     def run(m):
         if kind == "linear":
-            return K.lt.linear_invariant(x[:m], w)
+            return K.li.linear_invariant(x[:m], w)
         if kind == "silu_mul":
-            return K.lt.silu_mul_linear_invariant(x[:m], w)
-        return K.lt.norm_linear_invariant(x[:m], res[:m], nw, 1e-6, w)[0]
+            return K.li.silu_mul_linear_invariant(x[:m], w)
+        return K.li.norm_linear_invariant(x[:m], res[:m], nw, 1e-6, w)[0]
 
     full = run(100)
     for m in (1, 5, 64, 65):

@@ -59,6 +59,8 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   cublaslt    every cuBLAS projection through cuBLASLt (torch's preferred_blas_library)
   attn-splits2, attn-splits3
               decode attention with 2 / 3 context splits per row at every batch size
+  no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
+              norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
   no-norms-timing
               TIMING ONLY, wrong outputs: every RMSNorm kernel of a 33-64 row batch skipped
               (the input passed on as if normed): what removing them could save at most
@@ -258,6 +260,11 @@ def _cublaslt() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
+def _no_prenorm() -> None:
+    from graphexec.kernels import triton_ops
+    triton_ops.PRENORM = False
+
+
 def _no_norms_timing() -> None:
     shipped = lt._norm
 
@@ -293,7 +300,7 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
-                   "no-norms-timing": _no_norms_timing}
+                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm}
 
 
 def _auto_rows(max_rows: int) -> None:

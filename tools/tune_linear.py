@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from graphexec.kernels import linear_triton as lt  # noqa: E402
+from graphexec.kernels import linear_invariant_triton as li  # noqa: E402
 from graphexec.kernels import norm_rope_triton as nr  # noqa: E402
 
 SHAPES = {  # name -> (hidden, q+2kv, intermediate, vocab)
@@ -129,7 +130,7 @@ def main() -> None:
                 shipped = lt.pick_config(m, n, k)
                 row["shipped_us"] = time_graph(lambda i: lt.linear(x, ws[i]), copies) * 1e6
                 row["shipped"] = shipped.__dict__
-                row["invariant_us"] = time_graph(lambda i: lt.linear_invariant(x, ws[i]),
+                row["invariant_us"] = time_graph(lambda i: li.linear_invariant(x, ws[i]),
                                                  copies) * 1e6
                 if name in ("qkv", "gate_up"):  # the norm that feeds them, fused or not
                     r = torch.randn(m, k, device="cuda", dtype=dt)

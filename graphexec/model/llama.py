@@ -114,6 +114,8 @@ class LlamaModel:
         cfg, ops, w = self.config, self.ops, self.weights
         h, residual = hidden.out, hidden.residual
         for i, layer in enumerate(w.layers[first_layer:], start=first_layer):
+            # the norm after this layer, which its last projection may half do (Prenormed)
+            next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else None
             # Each norm feeds exactly one projection: one op, so a kernel may fuse the two.
             qkv, residual = ops.norm_linear(h, residual, layer.input_norm, cfg.rms_norm_eps,
                                             layer.qkv, layer.qkv_bias)
@@ -123,14 +125,14 @@ class LlamaModel:
             if ops.out_linear is None:
                 h = ops.linear(o, layer.o)
             else:
-                h, residual = ops.out_linear(o, layer.o, residual)
+                h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm)
             if ops.mlp is None:
                 gate_up, residual = ops.norm_linear(h, residual, layer.post_norm,
                                                     cfg.rms_norm_eps, layer.gate_up)
                 h = ops.silu_mul_linear(gate_up, layer.down)
             else:
                 h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
-                                      layer.gate_up, layer.down)
+                                      layer.gate_up, layer.down, next_norm)
         return FinalHidden(h, residual)
 
     def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:
