@@ -164,7 +164,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
                    RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
-                   BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_SS: tl.constexpr, EARLY_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                    PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
@@ -237,6 +237,8 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         ts = tl.arange(0, BLOCK_SS)
         ss_parts = tl.load(ss_ptr + ts[:, None] * M + rm[None, :],
                            mask=(ts < n_ss)[:, None] & m_ok[None, :], other=0.0)
+        if EARLY_SS:  # summed at once: fewer live registers, the load's latency exposed
+            ss_parts = tl.sum(ss_parts, axis=0)[None, :]
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
@@ -397,6 +399,9 @@ class Prenormed:
 
 
 _SUM_BLOCK = 1024  # columns per program of _split_sum_kernel
+# ROW_SCALE: the per-tile sums of squares summed as soon as they are loaded (True), or after the
+# weight loop, the loaded tile held in registers across it (False)
+ROW_SCALE_EARLY_SUM = False
 
 
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
@@ -444,7 +449,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
         SILU_OUT=silu_out, RES_OUT=res_out is not None,
         NORM_OUT=norm_out is not None and split == 1, ROW_SCALE=row_scale is not None,
-        BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), EARLY_SS=ROW_SCALE_EARLY_SUM, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
@@ -571,8 +576,9 @@ def pick_fused_config(m: int, n: int, k: int, kind: str) -> LinearConfig:
     2026-11-24): about 128 programs for the residual-epilogue projections, 16-64 columns each,
     the K of the down projection split until there are (1b: 64 columns x 4 splits; 8b: 64 x 2;
     o: 16 and 32 columns); gate_up 32 columns of both halves, 64-wide K steps."""
-    if kind in FUSED_TUNING:
-        return FUSED_TUNING[kind]
+    for key in ((("o" if k <= n else "down"), kind) if kind == "add" else (kind,)):
+        if key in FUSED_TUNING:
+            return FUSED_TUNING[key]
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     if kind == "gate_up":
         return LinearConfig(block_m, 32, 64, 1, num_warps=4, num_stages=5)

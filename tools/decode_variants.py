@@ -54,13 +54,15 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   unfused     no epilogue-fused projections (the default before they came, stop 16)
   fused       triton_ops.fused_ops over "auto" for --fused-rows (default 2..64): o and down
               with the residual add in their epilogue, gate_up with silu * mul in its;
-              --fused-config KIND=BM,BN,BK,SPLIT,WARPS,STAGES (KIND gate_up or add) overrides
-              pick_fused_config
+              --fused-config KIND=BM,BN,BK,SPLIT,WARPS,STAGES (KIND gate_up, qkv, add, or
+              o / down for one of the two) overrides pick_fused_config, with any variant
   cublaslt    every cuBLAS projection through cuBLASLt (torch's preferred_blas_library)
   attn-splits2, attn-splits3
               decode attention with 2 / 3 context splits per row at every batch size
   no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
               norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
+  early-ss    the consumer of a Prenormed sums the per-tile sums of squares as soon as it
+              loads them (linear_triton.ROW_SCALE_EARLY_SUM)
   no-norms-timing
               TIMING ONLY, wrong outputs: every RMSNorm kernel of a 33-64 row batch skipped
               (the input passed on as if normed): what removing them could save at most
@@ -244,6 +246,10 @@ def _fused(rows: str, configs: list[str]) -> None:
     lo, hi = (int(v) for v in rows.split(","))
     triton_ops.TRITON_SINGLE_ROW_OPS = triton_ops.fused_ops(
         triton_ops.auto_ops(triton_ops.AUTO_MAX_ROWS), lo, hi)
+    _fused_configs(configs)
+
+
+def _fused_configs(configs: list[str]) -> None:
     for spec in configs:
         kind, values = spec.split("=")
         bm, bn, bk, split, warps, stages = (int(v) for v in values.split(","))
@@ -300,7 +306,8 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
-                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm}
+                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
+                   "early-ss": partial(setattr, lt, "ROW_SCALE_EARLY_SUM", True)}
 
 
 def _auto_rows(max_rows: int) -> None:
@@ -384,7 +391,7 @@ def main() -> None:
         from graphexec.kernels import triton_ops
         if args.fused_qkv is not None:
             triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS = 1 << 62 if args.fused_qkv == "triton" else 0
-        _fused(args.fused_rows, args.fused_config)
+        _fused(args.fused_rows, [])
     elif args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
     elif args.variant in STOP14_VARIANTS:
@@ -394,6 +401,7 @@ def main() -> None:
     elif VARIANTS[args.variant] is not None:
         lt.pick_config, lt.pick_norm_config = VARIANTS[args.variant]()
     _override_one_row(args.m1, args.m1_norm, args.only_n)
+    _fused_configs(args.fused_config)
     if args.spec:
         import bench_spec
 
