@@ -35,7 +35,7 @@ class Ops:
     # set (the add in their epilogue rather than the next norm's prologue): both return
     # (h, residual), the stream being h + residual, or h alone when residual is None. Each is
     # told the weight of the norm that follows it (None after the last layer), whose work it
-    # may begin: h is then the op set's own type (linear_triton.Prenormed), which only its
+    # may begin: h is then the op set's own type (linear_fused_triton.Prenormed), which only its
     # norm_linear and mlp read. None: the model composes linear, norm_linear and
     # silu_mul_linear, leaving each add to the next norm.
     out_linear: Callable | None = None  # (x, weight, residual, next_norm_w) -> (h, residual)

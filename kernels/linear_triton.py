@@ -173,7 +173,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     # program streams the gate rows of its columns and the matching up rows, so the activation
     # is an epilogue (no program recomputes another's). RES_OUT: the residual stream r (M x N)
     # is added to the output in the epilogue (HAS_RES, the add in the prologue, is then off).
-    # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections (Prenormed, below).
+    # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections (linear_fused_triton.Prenormed).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks
@@ -378,26 +378,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
                for t in (weight, *others) if t is not None)
 
 
-@dataclass
-class Prenormed:
-    """The residual stream h ([rows, hidden], a projection's output plus the residual) with the
-    next RMSNorm half done by that projection's epilogue (NORM_OUT): g = h * norm_weight,
-    rounded, and each row's sum of squares in per-tile parts, ss [tiles, rows] in fp32. The
-    projection after the norm takes g as its input and scales its dot products by 1 / rms(h)
-    (ROW_SCALE), so no norm kernel runs between the two. The rounding differs from
-    kernels/rmsnorm.py's (h * norm weight rounded once, 1 / rms applied to the fp32 sums):
-    within the dtype's reduction tolerance, not bitwise."""
-
-    h: torch.Tensor
-    g: torch.Tensor
-    ss: torch.Tensor
-    norm_weight: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.h.shape
-
-
 _SUM_BLOCK = 1024  # columns per program of _split_sum_kernel
 # ROW_SCALE: the per-tile sums of squares summed as soon as they are loaded (True), or after the
 # weight loop, the loaded tile held in registers across it (False)
@@ -409,8 +389,9 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
     [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
-    norm_out: with res_out, the next norm's weight: the output is a Prenormed; row_scale: a
-    Prenormed's ss, x being its g (eps: the norm's)."""
+    norm_out: with res_out, the next norm's weight, and then (out, summed, g, ss) come back
+    (linear_fused_triton.Prenormed); row_scale: a Prenormed's ss, x being its g (eps: the
+    norm's)."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
@@ -449,7 +430,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
         SILU_OUT=silu_out, RES_OUT=res_out is not None,
         NORM_OUT=norm_out is not None and split == 1, ROW_SCALE=row_scale is not None,
-        BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), EARLY_SS=ROW_SCALE_EARLY_SUM, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), EARLY_SS=ROW_SCALE_EARLY_SUM,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
@@ -459,7 +441,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             SPLIT=split, BLOCK=block, RES_OUT=res_out is not None,
             NORM_OUT=norm_out is not None, PDL=dependent, num_warps=4, launch_pdl=dependent)
     if norm_out is not None:
-        return Prenormed(out, g, ss, norm_out), summed
+        return out, summed, g, ss
     return out, summed
 
 
@@ -521,72 +503,3 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         normed, summed = _norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias, max_rows=max_rows), summed
     return _launch(x, residual, norm_weight, eps, weight, bias, config)
-
-
-def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | None = None,
-                max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """silu(gate) * up of x's projection by [gate | up]: the activation in the epilogue."""
-    if not supported(x, gate_up, 1, max_rows=max_rows) or gate_up.shape[0] % 2:
-        return silu_mul(F.linear(x, gate_up))
-    return _launch(x, None, None, 0.0, gate_up, None,
-                   config or pick_fused_config(x.shape[0], gate_up.shape[0] // 2,
-                                               gate_up.shape[1], "gate_up"), silu_out=True)[0]
-
-
-def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-               config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
-               next_norm: torch.Tensor | None = None) -> torch.Tensor | Prenormed:
-    """linear(x) + residual in one kernel (the add in the epilogue, or in the split-K sum):
-    the attention output and MLP projections whose result joins the residual stream.
-    next_norm: the weight of the RMSNorm after it; the result is then a Prenormed (torch's
-    fallback, for operands the kernel does not take, returns the plain sum)."""
-    if (not supported(x, weight, 1, residual, next_norm, max_rows=max_rows)
-            or residual.shape != (x.shape[0], weight.shape[0])):
-        return F.linear(x, weight) + residual
-    return _launch(x, None, None, 0.0, weight, None,
-                   config or pick_fused_config(x.shape[0], *weight.shape, "add"),
-                   res_out=residual, norm_out=next_norm)[0]
-
-
-def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
-                     bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                     silu_out: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """The projection of rms_norm(p.h) (p.norm_weight, eps) from its Prenormed form: p.g as the
-    input, 1 / rms in the epilogue. silu_out: the weight is [gate | up] and the result
-    silu(gate) * up, as linear_silu."""
-    m, k = p.g.shape
-    n = weight.shape[0] // 2 if silu_out else weight.shape[0]
-    if not supported(p.g, weight, 1, bias, max_rows=max_rows) or silu_out and (
-            weight.shape[0] % 2 or bias is not None):
-        out = F.linear(rms_norm(p.h, p.norm_weight, eps), weight, bias)
-        return silu_mul(out) if silu_out else out
-    cfg = config or pick_fused_config(m, n, k, "gate_up" if silu_out else "qkv")
-    return _launch(p.g, None, None, eps, weight, bias, cfg, silu_out=silu_out,
-                   row_scale=p.ss)[0]
-
-
-# Launch configs of the epilogue-fused projections (tools/tune_fused.py sets them to compare):
-# kind -> LinearConfig, for "gate_up" (silu epilogue, N = the intermediate size) and "add"
-# (o and down, residual epilogue).
-FUSED_TUNING: dict[str, LinearConfig] = {}
-
-
-def pick_fused_config(m: int, n: int, k: int, kind: str) -> LinearConfig:
-    """From tools/tune_fused.py on an H100 at 64 rows (llama-1b and llama-8b shapes,
-    2026-11-24): about 128 programs for the residual-epilogue projections, 16-64 columns each,
-    the K of the down projection split until there are (1b: 64 columns x 4 splits; 8b: 64 x 2;
-    o: 16 and 32 columns); gate_up 32 columns of both halves, 64-wide K steps."""
-    for key in ((("o" if k <= n else "down"), kind) if kind == "add" else (kind,)):
-        if key in FUSED_TUNING:
-            return FUSED_TUNING[key]
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    if kind == "gate_up":
-        return LinearConfig(block_m, 32, 64, 1, num_warps=4, num_stages=5)
-    if kind == "qkv":  # about 96 programs: 1b 32 columns each, 8b 64
-        block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 96))))
-        return LinearConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=5)
-    if k > n:
-        split = _split_k(triton.cdiv(n, 64), 128, k, 128)
-        return LinearConfig(block_m, 64, 128, split, num_warps=4, num_stages=5)
-    block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 128))))
-    return LinearConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=5)

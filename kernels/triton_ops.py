@@ -37,8 +37,8 @@ from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
-               linear_invariant_triton, linear_triton, norm_rope_triton, sampling_triton,
-               stop_tokens_triton)
+               linear_fused_triton, linear_invariant_triton, linear_triton, norm_rope_triton,
+               sampling_triton, stop_tokens_triton)
 from . import Ops  # noqa: E402
 from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref  # noqa: E402
@@ -108,18 +108,18 @@ def auto_ops(max_rows: int) -> Ops:
 FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 
 
-# o and down begin the norm after them in their epilogue (linear_triton.Prenormed), and the
+# o and down begin the norm after them in their epilogue (linear_fused_triton.Prenormed), and the
 # projection after the norm finishes it, where both run here: no norm kernel between them.
 PRENORM = True
 
 
 def _plain(x):
     """The stream as a tensor, whether or not a projection began its next norm."""
-    return x.h if isinstance(x, linear_triton.Prenormed) else x
+    return x.h if isinstance(x, linear_fused_triton.Prenormed) else x
 
 
 def _prenormed_by(x, norm_weight) -> bool:
-    return isinstance(x, linear_triton.Prenormed) and x.norm_weight is norm_weight
+    return isinstance(x, linear_fused_triton.Prenormed) and x.norm_weight is norm_weight
 
 
 def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
@@ -145,14 +145,14 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
         triton_qkv = fused(x) and weight.numel() <= FUSED_QKV_TRITON_MAX_ELEMENTS
         last_qkv_triton[0] = triton_qkv
         if triton_qkv and _prenormed_by(x, norm_weight):
-            config = linear_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
-            return linear_triton.prenormed_linear(x, eps, weight, bias, config,
+            config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
+            return linear_fused_triton.prenormed_linear(x, eps, weight, bias, config,
                                                   max_rows=max_rows), x.h
         x = _plain(x)
         if not triton_qkv:
             return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
         normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
-        config = linear_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
+        config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
         return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows), summed
 
     def rope_decode_attention(q, *args):
@@ -163,7 +163,7 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
     def out_linear(x, weight, residual, next_norm=None):
         if not fused(x) or residual is None:
             return base.linear(x, weight), residual
-        return linear_triton.linear_add(x, weight, residual, max_rows=max_rows,
+        return linear_fused_triton.linear_add(x, weight, residual, max_rows=max_rows,
                                         next_norm=next_norm if PRENORM else None), None
 
     def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
@@ -171,15 +171,15 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
             h, summed = base.norm_linear(_plain(x), residual, norm_weight, eps, gate_up)
             return base.silu_mul_linear(h, down), summed
         if _prenormed_by(x, norm_weight):
-            act = linear_triton.prenormed_linear(x, eps, gate_up, silu_out=True,
+            act = linear_fused_triton.prenormed_linear(x, eps, gate_up, silu_out=True,
                                                  max_rows=max_rows)
             summed = x.h
         else:
             normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
-            act = linear_triton.linear_silu(normed, gate_up, max_rows=max_rows)
+            act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows)
         # the next layer's qkv takes a Prenormed only on Triton (this layer's tells)
         prenorm = next_norm if PRENORM and last_qkv_triton[0] else None
-        return linear_triton.linear_add(act, down, summed, max_rows=max_rows,
+        return linear_fused_triton.linear_add(act, down, summed, max_rows=max_rows,
                                         next_norm=prenorm), None
 
     return replace(base, name=f"{base.name}-fused{min_rows}-{max_rows}",

@@ -29,7 +29,7 @@ def test_linear_silu(K, m, inter, hidden, config):
     x = _randn((m, hidden), dtype, 40)
     w = _randn((2 * inter, hidden), dtype, 43, hidden ** -0.5)
     cfg = K.lt.LinearConfig(*config) if config else None
-    act = K.lt.linear_silu(x, w, config=cfg)
+    act = K.lf.linear_silu(x, w, config=cfg)
     assert act.shape == (m, inter)
     assert not torch.isnan(act).any()
     # Against fp32. The kernel rounds both projections, silu and the product to bf16, as the
@@ -61,7 +61,7 @@ def test_linear_add(K, m, n, k, config):
     w = _randn((n, k), dtype, 45, k ** -0.5)
     res = _randn((m, n), dtype, 46, 3.0)
     cfg = K.lt.LinearConfig(*config) if config else None
-    out = K.lt.linear_add(x, w, res, config=cfg)
+    out = K.lf.linear_add(x, w, res, config=cfg)
     # the projection rounded to the dtype, then the fp32 add, as the reference add_rms_norm
     want = (_ref_linear(x, w).float() + res.float()).to(dtype)
     _check(out, want, dtype, "reduction")
@@ -83,9 +83,9 @@ def test_residual_epilogue_begins_the_next_norm(K, m, n, k, config):
     res = _randn((m, n), dtype, 62, 3.0)
     nw = (1.0 + 0.2 * _randn((n,), torch.float32, 63)).to(dtype)
     cfg = K.lt.LinearConfig(*config) if config else None
-    p = K.lt.linear_add(x, w, res, config=cfg, next_norm=nw)
-    assert isinstance(p, K.lt.Prenormed) and p.norm_weight is nw
-    assert torch.equal(p.h, K.lt.linear_add(x, w, res, config=cfg))
+    p = K.lf.linear_add(x, w, res, config=cfg, next_norm=nw)
+    assert isinstance(p, K.lf.Prenormed) and p.norm_weight is nw
+    assert torch.equal(p.h, K.lf.linear_add(x, w, res, config=cfg))
     g = (p.h.float() * nw.float()).to(dtype)
     if INTERPRET:  # it truncates to bf16 where the GPU rounds to nearest: one ulp
         torch.testing.assert_close(p.g, g, rtol=2 ** -7, atol=0)
@@ -110,10 +110,10 @@ def test_prenormed_projection_equals_norm_then_projection(K, m, hidden, n, silu_
     w = _randn(((2 if silu_out else 1) * n, hidden), dtype, 66, hidden ** -0.5)
     # the Prenormed of h itself: h = 0 @ W + h through the residual epilogue
     zero = torch.zeros((m, 16), dtype=dtype, device=DEV)
-    p = K.lt.linear_add(zero, torch.zeros((hidden, 16), dtype=dtype, device=DEV), h,
+    p = K.lf.linear_add(zero, torch.zeros((hidden, 16), dtype=dtype, device=DEV), h,
                         next_norm=nw)
     assert torch.equal(p.h, h)
-    out = K.lt.prenormed_linear(p, eps, w, silu_out=silu_out)
+    out = K.lf.prenormed_linear(p, eps, w, silu_out=silu_out)
     normed = rmsnorm.rms_norm_ref(h.float(), nw.float(), eps)
     truth = normed @ w.float().t()
     two = K.lt.linear(rmsnorm.rms_norm_ref(h, nw, eps), w)  # the norm kernel's rounding
@@ -134,7 +134,7 @@ def test_silu_epilogue_refuses_split_k(K):
     x = _randn((4, 256), torch.bfloat16, 47)
     w = _randn((64, 256), torch.bfloat16, 49)
     with pytest.raises(ValueError, match="split_k=2"):
-        K.lt.linear_silu(x, w, config=K.lt.LinearConfig(16, 16, 32, 2))
+        K.lf.linear_silu(x, w, config=K.lt.LinearConfig(16, 16, 32, 2))
 
 
 @kernel_test
@@ -176,7 +176,7 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
     add to the next norm and run cuBLAS."""
     from graphexec.kernels import triton_ops
 
-    ops, lt = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt
+    ops, lt, lf = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt, K.lf
     h, inter = big((2048, 4096), (64, 96))
     w_o = _randn((h, h), torch.bfloat16, 50, h ** -0.5)
     w_gu = _randn((2 * inter, h), torch.bfloat16, 51, h ** -0.5)
@@ -188,11 +188,11 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
         y, r2 = ops.mlp(x, res, nw, 1e-6, w_gu, w_down)
         qkv, summed = ops.norm_linear(x, None, nw, 1e-6, w_o)  # a small weight, as qkv
         if triton_ops.FUSED_MIN_ROWS <= m <= triton_ops.FUSED_MAX_ROWS:
-            cfg = lt.pick_fused_config(m, h, h, "qkv")
+            cfg = lf.pick_fused_config(m, h, h, "qkv")
             assert torch.equal(qkv, lt.linear(lt._norm(x, None, nw, 1e-6)[0], w_o, config=cfg))
-            assert r is None and torch.equal(out, lt.linear_add(x, w_o, res))
+            assert r is None and torch.equal(out, lf.linear_add(x, w_o, res))
             normed, summed = lt._norm(x, res, nw, 1e-6)
-            want = lt.linear_add(lt.linear_silu(normed, w_gu), w_down, summed)
+            want = lf.linear_add(lf.linear_silu(normed, w_gu), w_down, summed)
             assert r2 is None and torch.equal(y, want)
         else:
             assert torch.equal(qkv, ops.linear(lt._norm(x, None, nw, 1e-6)[0], w_o))

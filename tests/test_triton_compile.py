@@ -102,6 +102,7 @@ def _weight_loads(kernel) -> tuple[int, int]:
 
 
 def test_projection_kernels_compile_and_stream_weights(compiled):
+    from graphexec.kernels import linear_fused_triton as lf
     from graphexec.kernels import linear_invariant_triton as li
     from graphexec.kernels import linear_triton as lt
 
@@ -116,9 +117,9 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
     # the norm split between two projections (Prenormed), the split-K sum's share too
     for split in (1, 4):
         cfg = lt.LinearConfig(64, 64, 128, split)
-        p = lt.linear_add(_bf16(64, inter), _bf16(h, inter), _bf16(64, h), cfg, next_norm=_bf16(h))
-        lt.prenormed_linear(p, 1e-5, _bf16(qkv, h))
-        lt.prenormed_linear(p, 1e-5, _bf16(2 * inter, h), silu_out=True)
+        p = lf.linear_add(_bf16(64, inter), _bf16(h, inter), _bf16(64, h), cfg, next_norm=_bf16(h))
+        lf.prenormed_linear(p, 1e-5, _bf16(qkv, h))
+        lf.prenormed_linear(p, 1e-5, _bf16(2 * inter, h), silu_out=True)
     li.norm_linear_invariant(_bf16(80, h), _bf16(80, h), _bf16(h), 1e-5, _bf16(h, h))
     names = {name for name, _ in compiled}
     assert {"_linear_kernel", "_split_sum_kernel"} <= names, names

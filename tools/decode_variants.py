@@ -86,6 +86,7 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import bench_graphexec, copy_bandwidth  # noqa: E402
+from graphexec.kernels import linear_fused_triton as lf  # noqa: E402
 from graphexec.kernels import linear_triton as lt  # noqa: E402
 
 
@@ -253,7 +254,7 @@ def _fused_configs(configs: list[str]) -> None:
     for spec in configs:
         kind, values = spec.split("=")
         bm, bn, bk, split, warps, stages = (int(v) for v in values.split(","))
-        lt.FUSED_TUNING[kind] = lt.LinearConfig(bm, bn, bk, split, warps, stages)
+        lf.FUSED_TUNING[kind] = lt.LinearConfig(bm, bn, bk, split, warps, stages)
 
 
 def _lm_head_cublas() -> None:

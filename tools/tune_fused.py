@@ -10,7 +10,7 @@ plain) the candidate configs in microseconds per layer, against the cuBLAS kerne
 replace; then a layer's whole projection chain, fused (best configs; qkv on cuBLAS or Triton,
 projections as programmatic dependents or not) against cuBLAS with its separate add + RMSNorm
 and silu * mul kernels. Writes tune_fused.json to --out.
-pick_fused_config in kernels/linear_triton.py is to be set from these runs.
+pick_fused_config in kernels/linear_fused_triton.py is to be set from these runs.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graphexec.kernels import activation_triton as at  # noqa: E402
+from graphexec.kernels import linear_fused_triton as lf  # noqa: E402
 from graphexec.kernels import linear_triton as lt  # noqa: E402
 from graphexec.kernels import norm_rope_triton as nr  # noqa: E402
 from tune_linear import SHAPES, time_graph  # noqa: E402
@@ -64,9 +65,9 @@ def main() -> None:
         att, act = rnd(m, h), rnd(m, inter)
         ops = {  # kind -> fn(layer, config)
             "qkv": lambda i, c: lt.linear(x, w[i]["qkv"], config=c),
-            "add_o": lambda i, c: lt.linear_add(att, w[i]["o"], res, config=c),
-            "silu": lambda i, c: lt.linear_silu(x, w[i]["gate_up"], config=c),
-            "add_down": lambda i, c: lt.linear_add(act, w[i]["down"], res, config=c),
+            "add_o": lambda i, c: lf.linear_add(att, w[i]["o"], res, config=c),
+            "silu": lambda i, c: lf.linear_silu(x, w[i]["gate_up"], config=c),
+            "add_down": lambda i, c: lf.linear_add(act, w[i]["down"], res, config=c),
         }
         cublas = {  # what each replaces
             "qkv": lambda i: F.linear(x, w[i]["qkv"]),
@@ -96,10 +97,10 @@ def main() -> None:
                 lt.linear(n1, w[i]["qkv"], config=best["qkv"])
             else:
                 F.linear(n1, w[i]["qkv"])
-            s1 = lt.linear_add(att, w[i]["o"], res, config=best["add_o"])
-            a = lt.linear_silu(nr.rms_norm(s1, w[i]["n2"], 1e-5), w[i]["gate_up"],
+            s1 = lf.linear_add(att, w[i]["o"], res, config=best["add_o"])
+            a = lf.linear_silu(nr.rms_norm(s1, w[i]["n2"], 1e-5), w[i]["gate_up"],
                                config=best["silu"])
-            return lt.linear_add(a, w[i]["down"], s1, config=best["add_down"])
+            return lf.linear_add(a, w[i]["down"], s1, config=best["add_down"])
 
         def cublas_chain(i):
             n1, s0 = nr.add_rms_norm(x, res, w[i]["n1"], 1e-5)

@@ -1,0 +1,106 @@
+"""The epilogue-fused projections of multi-row decode batches (what triton_ops.fused_ops runs
+at 33-64 rows), on the kernel of kernels/linear_triton.py: gate_up with silu * mul in its
+epilogue, o and down with the residual add in theirs, and the RMSNorm after them split between
+the producing and the consuming projection (Prenormed). References: kernels/linear.py,
+kernels/activation.py, kernels/rmsnorm.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from .activation_triton import silu_mul
+from .linear_triton import MAX_ROWS, LinearConfig, _launch, _split_k, supported
+from .norm_rope_triton import rms_norm
+
+
+@dataclass
+class Prenormed:
+    """The residual stream h ([rows, hidden], a projection's output plus the residual) with the
+    next RMSNorm half done by that projection's epilogue (NORM_OUT): g = h * norm_weight,
+    rounded, and each row's sum of squares in per-tile parts, ss [tiles, rows] in fp32. The
+    projection after the norm takes g as its input and scales its dot products by 1 / rms(h)
+    (ROW_SCALE), so no norm kernel runs between the two. The rounding differs from
+    kernels/rmsnorm.py's (h * norm weight rounded once, 1 / rms applied to the fp32 sums):
+    within the dtype's reduction tolerance, not bitwise."""
+
+    h: torch.Tensor
+    g: torch.Tensor
+    ss: torch.Tensor
+    norm_weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.h.shape
+
+
+def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | None = None,
+                max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """silu(gate) * up of x's projection by [gate | up]: the activation in the epilogue."""
+    if not supported(x, gate_up, 1, max_rows=max_rows) or gate_up.shape[0] % 2:
+        return silu_mul(F.linear(x, gate_up))
+    return _launch(x, None, None, 0.0, gate_up, None,
+                   config or pick_fused_config(x.shape[0], gate_up.shape[0] // 2,
+                                               gate_up.shape[1], "gate_up"), silu_out=True)[0]
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+               config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
+               next_norm: torch.Tensor | None = None) -> torch.Tensor | Prenormed:
+    """linear(x) + residual in one kernel (the add in the epilogue, or in the split-K sum):
+    the attention output and MLP projections whose result joins the residual stream.
+    next_norm: the weight of the RMSNorm after it; the result is then a Prenormed (torch's
+    fallback, for operands the kernel does not take, returns the plain sum)."""
+    if (not supported(x, weight, 1, residual, next_norm, max_rows=max_rows)
+            or residual.shape != (x.shape[0], weight.shape[0])):
+        return F.linear(x, weight) + residual
+    out = _launch(x, None, None, 0.0, weight, None,
+                  config or pick_fused_config(x.shape[0], *weight.shape, "add"),
+                  res_out=residual, norm_out=next_norm)
+    return out[0] if next_norm is None else Prenormed(out[0], out[2], out[3], next_norm)
+
+
+def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                     silu_out: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """The projection of rms_norm(p.h) (p.norm_weight, eps) from its Prenormed form: p.g as the
+    input, 1 / rms in the epilogue. silu_out: the weight is [gate | up] and the result
+    silu(gate) * up, as linear_silu."""
+    m, k = p.g.shape
+    n = weight.shape[0] // 2 if silu_out else weight.shape[0]
+    if not supported(p.g, weight, 1, bias, max_rows=max_rows) or silu_out and (
+            weight.shape[0] % 2 or bias is not None):
+        out = F.linear(rms_norm(p.h, p.norm_weight, eps), weight, bias)
+        return silu_mul(out) if silu_out else out
+    cfg = config or pick_fused_config(m, n, k, "gate_up" if silu_out else "qkv")
+    return _launch(p.g, None, None, eps, weight, bias, cfg, silu_out=silu_out,
+                   row_scale=p.ss)[0]
+
+
+# Launch configs of the epilogue-fused projections (tools/tune_fused.py sets them to compare):
+# kind -> LinearConfig, for "gate_up" (silu epilogue, N = the intermediate size) and "add"
+# (o and down, residual epilogue).
+FUSED_TUNING: dict[str, LinearConfig] = {}
+
+
+def pick_fused_config(m: int, n: int, k: int, kind: str) -> LinearConfig:
+    """From tools/tune_fused.py on an H100 at 64 rows (llama-1b and llama-8b shapes,
+    2026-11-24): about 128 programs for the residual-epilogue projections, 16-64 columns each,
+    the K of the down projection split until there are (1b: 64 columns x 4 splits; 8b: 64 x 2;
+    o: 16 and 32 columns); gate_up 32 columns of both halves, 64-wide K steps."""
+    for key in ((("o" if k <= n else "down"), kind) if kind == "add" else (kind,)):
+        if key in FUSED_TUNING:
+            return FUSED_TUNING[key]
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    if kind == "gate_up":
+        return LinearConfig(block_m, 32, 64, 1, num_warps=4, num_stages=5)
+    if kind == "qkv":  # about 96 programs: 1b 32 columns each, 8b 64
+        block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 96))))
+        return LinearConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=5)
+    if k > n:
+        split = _split_k(triton.cdiv(n, 64), 128, k, 128)
+        return LinearConfig(block_m, 64, 128, split, num_warps=4, num_stages=5)
+    block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 128))))
+    return LinearConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=5)
