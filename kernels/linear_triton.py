@@ -64,9 +64,6 @@ class LinearConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    # K blocks in the first step, whose weights are fetched before the PDL wait (tensor-core
-    # tiles only: the M == 1 path's accumulator is one block wide)
-    prefetch_blocks: int = 1
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v >= 1 and v & (v - 1) == 0
@@ -76,9 +73,6 @@ class LinearConfig:
                              f"tensor-core dots (block_m > 1); got {dims}")
         if self.split_k < 1:
             raise ValueError(f"LinearConfig split_k must be >= 1, got {self.split_k}")
-        if not pow2(self.prefetch_blocks) or (self.block_m == 1 and self.prefetch_blocks > 1):
-            raise ValueError(f"LinearConfig prefetch_blocks must be a power of two, and 1 for "
-                             f"block_m 1; got {self.prefetch_blocks}")
 
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
@@ -172,8 +166,8 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    GATHER: tl.constexpr, STORE_SUM: tl.constexpr,
                    BLOCK_SS: tl.constexpr, EARLY_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, FIRST_K: tl.constexpr, STAGES: tl.constexpr,
-                   UPCAST: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
+                   PDL: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
@@ -207,7 +201,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         # nothing produced by an earlier kernel is read, and nothing written, before gdc_wait.
         if not GATHER:
             pdl.gdc_launch_dependents()
-        ks0 = k_lo + tl.arange(0, FIRST_K)
+        ks0 = k_lo + rk
         first_ok = n_ok[:, None] & (ks0 < k_hi)[None, :]
         w_first = tl.load(w_rows + ks0[None, :], mask=first_ok, other=0.0)
         w_up_first = w_first
@@ -219,7 +213,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
             # what was written before the forward began (graphexec/model/llama.py), so its
             # dependents start only once everything before this kernel is complete.
             pdl.gdc_launch_dependents()
-        k_start = k_lo + FIRST_K
+        k_start = k_lo + BLOCK_K
     if GATHER:  # the token ids are written by earlier kernels: read after the wait
         ids = tl.load(ids_ptr + rm, mask=m_ok, other=0).to(tl.int64)
         x_rows = x_ptr + ids[:, None] * sx
@@ -454,7 +448,6 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         NORM_OUT=norm_out is not None and split == 1, ROW_SCALE=row_scale is not None,
         GATHER=gather_ids is not None, STORE_SUM=stores_sum, BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), EARLY_SS=ROW_SCALE_EARLY_SUM,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        FIRST_K=cfg.block_k * cfg.prefetch_blocks,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:

@@ -54,7 +54,7 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   unfused     no epilogue-fused projections (the default before they came, stop 16)
   fused       triton_ops.fused_ops over "auto" for --fused-rows (default 2..64): o and down
               with the residual add in their epilogue, gate_up with silu * mul in its;
-              --fused-config KIND=BM,BN,BK,SPLIT,WARPS,STAGES[,PREFETCH] (KIND gate_up, qkv, add, or
+              --fused-config KIND=BM,BN,BK,SPLIT,WARPS,STAGES (KIND gate_up, qkv, add, or
               o / down for one of the two) overrides pick_fused_config, with any variant
   cublaslt    every cuBLAS projection through cuBLASLt (torch's preferred_blas_library)
   attn-splits2, attn-splits3
@@ -256,7 +256,8 @@ def _fused(rows: str, configs: list[str]) -> None:
 def _fused_configs(configs: list[str]) -> None:
     for spec in configs:
         kind, values = spec.split("=")
-        lf.FUSED_TUNING[kind] = lt.LinearConfig(*(int(v) for v in values.split(",")))
+        bm, bn, bk, split, warps, stages = (int(v) for v in values.split(","))
+        lf.FUSED_TUNING[kind] = lt.LinearConfig(bm, bn, bk, split, warps, stages)
 
 
 def _lm_head_cublas() -> None:
@@ -381,7 +382,7 @@ def main() -> None:
                          "set-up (llama-8b) at --batch, sync and async, against plain decode")
     ap.add_argument("--fused-rows", default="2,64", metavar="MIN,MAX")
     ap.add_argument("--fused-config", action="append", default=[],
-                    metavar="KIND=BM,BN,BK,SPLIT,WARPS,STAGES[,PREFETCH]")
+                    metavar="KIND=BM,BN,BK,SPLIT,WARPS,STAGES")
     ap.add_argument("--fused-qkv", choices=["triton", "cublas"], default=None,
                     help="fused: the qkv projection on Triton or cuBLAS whatever its size "
                          "(default: triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS decides)")
