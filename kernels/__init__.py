@@ -7,15 +7,12 @@ from typing import Callable
 
 import torch
 
-from . import activation, advance, attention, embedding, linear, rmsnorm, rope, sampling
+from . import activation, advance, attention, linear, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
 class Ops:
     name: str
-    # (ids [T], table [vocab, hidden]) -> [T, hidden], or an object only this op set's
-    # norm_linear reads (linear_triton.Embedded: the gather done in the first projection)
-    embedding: Callable
     rms_norm: Callable
     add_rms_norm: Callable
     apply_rope: Callable
@@ -51,7 +48,6 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     name="reference",
-    embedding=embedding.embedding_ref,
     rms_norm=rmsnorm.rms_norm_ref,
     add_rms_norm=rmsnorm.add_rms_norm_ref,
     apply_rope=rope.apply_rope_ref,

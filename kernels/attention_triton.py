@@ -128,8 +128,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
         pdl.prologue(PDL)
     elif PDL:
         # Before the wait, read only what the kernels before this forward's first launch wrote:
-        # that launch (the embedding gather, alone or in the first projection) starts nothing
-        # after it before they have all completed (graphexec/model/llama.py). The
+        # that launch (the embedding gather) is a normal one, so they have all completed. The
         # step's metadata (seq_lens, positions, slots, block tables) and every key and value
         # but the new token's are such; q and the new k, v (the projection just before) are not.
         pdl.gdc_launch_dependents()

@@ -121,8 +121,8 @@ def _summed_tile(x_rows, r_rows, sum_rows, ks, mask, writes_sum, dtype: tl.const
     if HAS_RES:
         rv = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
         xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
-    if writes_sum:
-        tl.store(sum_rows + ks[None, :], xv, mask=mask)
+        if writes_sum:
+            tl.store(sum_rows + ks[None, :], xv, mask=mask)
     return xv
 
 
@@ -160,11 +160,10 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr, g_ptr, ss_ptr,
-                   ids_ptr, M, N, K, k_per_split, eps, sx, sr, n_ss,
+                   M, N, K, k_per_split, eps, sx, sr, n_ss,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
                    RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
-                   GATHER: tl.constexpr, STORE_SUM: tl.constexpr,
                    BLOCK_SS: tl.constexpr, EARLY_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                    PDL: tl.constexpr):
@@ -174,9 +173,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     # program streams the gate rows of its columns and the matching up rows, so the activation
     # is an epilogue (no program recomputes another's). RES_OUT: the residual stream r (M x N)
     # is added to the output in the epilogue (HAS_RES, the add in the prologue, is then off).
-    # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections
-    # (linear_fused_triton.Prenormed). GATHER: x is the embedding table and input row i is its
-    # row ids[i] (Embedded, below).
+    # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections (linear_fused_triton.Prenormed).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks
@@ -187,6 +184,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     w_up_rows = w_ptr + (rn + N).to(tl.int64)[:, None] * K  # SILU_OUT only
@@ -199,8 +197,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         # the previous kernel has finished. Let the next kernel launch as early, fetch the
         # first weight tile (weights are never written during decode), and only then wait:
         # nothing produced by an earlier kernel is read, and nothing written, before gdc_wait.
-        if not GATHER:
-            pdl.gdc_launch_dependents()
+        pdl.gdc_launch_dependents()
         ks0 = k_lo + rk
         first_ok = n_ok[:, None] & (ks0 < k_hi)[None, :]
         w_first = tl.load(w_rows + ks0[None, :], mask=first_ok, other=0.0)
@@ -208,22 +205,12 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         if SILU_OUT:
             w_up_first = tl.load(w_up_rows + ks0[None, :], mask=first_ok, other=0.0)
         pdl.gdc_wait()
-        if GATHER:
-            # The forward's first kernel: what runs after it may read, before its own wait,
-            # what was written before the forward began (graphexec/model/llama.py), so its
-            # dependents start only once everything before this kernel is complete.
-            pdl.gdc_launch_dependents()
         k_start = k_lo + BLOCK_K
-    if GATHER:  # the token ids are written by earlier kernels: read after the wait
-        ids = tl.load(ids_ptr + rm, mask=m_ok, other=0).to(tl.int64)
-        x_rows = x_ptr + ids[:, None] * sx
-    else:
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
 
     rstd = eps  # a placeholder unless NORM
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # ONE_PASS: each row's sum of squares
-    # one program stores the residual sum (x + residual, or the gathered rows) of its rows
-    writes_sum = (pid_n == 0) & (pid_k == 0) & STORE_SUM
+    # one program stores the residual sum (x + residual) of its rows
+    writes_sum = (pid_n == 0) & (pid_k == 0)
     sum_rows = sum_ptr + rm.to(tl.int64)[:, None] * K
     if NORM and not ONE_PASS:
         # Every program needs the whole row's mean square before its first dot (split K, or
@@ -399,22 +386,19 @@ ROW_SCALE_EARLY_SUM = False
 
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
             gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None,
-            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-            gather_ids: torch.Tensor | None = None):
+            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
     [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
     norm_out: with res_out, the next norm's weight, and then (out, summed, g, ss) come back
     (linear_fused_triton.Prenormed); row_scale: a Prenormed's ss, x being its g (eps: the
-    norm's); gather_ids: x is an embedding table and the input its rows gather_ids (Embedded),
-    which come back as the sum."""
-    m = x.shape[0] if gather_ids is None else gather_ids.shape[0]
+    norm's)."""
+    m = x.shape[0]
     n, k = weight.shape
     if silu_out:
         n //= 2
     cfg = config or (pick_norm_config if norm_weight is not None else pick_config)(m, n, k)
     out = _new((m, n), x.dtype, x.device)
-    stores_sum = residual is not None or gather_ids is not None
-    summed = _new((m, k), x.dtype, x.device) if stores_sum else x
+    summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     if split > 1 and silu_out:
@@ -440,13 +424,13 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     _linear_kernel[grid](
         x, r, nw, weight, bias if bias is not None else x, out, summed, ws,
         g if g is not None else out, next(t for t in (ss, row_scale, out) if t is not None),
-        gather_ids if gather_ids is not None else out, m, n, k, k_per_split, eps, x.stride(0), r.stride(0), n_ss,
+        m, n, k, k_per_split, eps, x.stride(0), r.stride(0), n_ss,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
         SILU_OUT=silu_out, RES_OUT=res_out is not None,
         NORM_OUT=norm_out is not None and split == 1, ROW_SCALE=row_scale is not None,
-        GATHER=gather_ids is not None, STORE_SUM=stores_sum, BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), EARLY_SS=ROW_SCALE_EARLY_SUM,
+        BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), EARLY_SS=ROW_SCALE_EARLY_SUM,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
@@ -503,44 +487,6 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Ten
     if residual is None:
         return rms_norm(x, norm_weight, eps), x
     return add_rms_norm(x, residual, norm_weight, eps)
-
-
-@dataclass
-class Embedded:
-    """Token ids whose embedding rows are not gathered yet (what the "auto" op set's embedding
-    gives a one-row forward): the first layer's fused-norm projection gathers the rows in its
-    prologue, the gather launch before it is gone. Anything else calls gather()."""
-
-    ids: torch.Tensor  # [T]
-    table: torch.Tensor  # [vocab, hidden]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.ids.shape[0], self.table.shape[1]))
-
-    def gather(self) -> torch.Tensor:
-        return F.embedding(self.ids, self.table)
-
-
-def embed_norm_linear(x: Embedded, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None, max_rows: int = MAX_ROWS
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_linear of the embedding rows of x.ids, gathered in the prologue (one row, as the
-    fused norm): (projection, the gathered rows). The kernel launches as a dependent that waits
-    before it signals, so it may be a forward's first."""
-    m = x.ids.shape[0]
-    rows = x.table[:m]  # the input's shape, dtype and device, for the checks
-    if not (m <= min(FUSE_MAX_ROWS, x.table.shape[0]) and x.ids.dim() == 1
-            and x.ids.is_contiguous() and x.ids.device == x.table.device
-            and x.table.is_contiguous()
-            and supported(rows, weight, 1, bias, norm_weight, max_rows=max_rows)):
-        return norm_linear(x.gather(), None, norm_weight, eps, weight, bias, max_rows=max_rows)
-    return _launch(x.table, None, norm_weight, eps, weight, bias, None, gather_ids=x.ids)
-
-
-def lazy_embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor | Embedded:
-    """The "auto" op set's embedding: Embedded for a one-row forward, else the rows."""
-    return Embedded(ids, table) if ids.shape[0] <= FUSE_MAX_ROWS else F.embedding(ids, table)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

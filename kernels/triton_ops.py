@@ -40,13 +40,11 @@ from . import (activation_triton, advance_triton, attention_triton,  # noqa: E40
                linear_fused_triton, linear_invariant_triton, linear_triton, norm_rope_triton,
                sampling_triton, stop_tokens_triton)
 from . import Ops  # noqa: E402
-from .embedding import embedding_ref  # noqa: E402
 from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref  # noqa: E402
 
 TRITON_OPS = Ops(
     name="triton",
-    embedding=embedding_ref,
     rms_norm=norm_rope_triton.rms_norm,
     add_rms_norm=norm_rope_triton.add_rms_norm,
     apply_rope=norm_rope_triton.apply_rope,
@@ -86,11 +84,6 @@ WIDE_MAX_ROWS = 16
 
 
 def _auto_norm_linear(x, residual, norm_weight, eps, weight, bias=None, *, max_rows: int):
-    if isinstance(x, linear_triton.Embedded):  # the first layer's input of a one-row forward
-        if weight.shape[0] < WIDE_WEIGHT_ROWS and residual is None:
-            return linear_triton.embed_norm_linear(x, norm_weight, eps, weight, bias,
-                                                   max_rows=max_rows)
-        x = x.gather()
     if weight.shape[0] >= WIDE_WEIGHT_ROWS and max_rows < x.shape[0] <= WIDE_MAX_ROWS:
         normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
         return linear_triton.linear(normed, weight, bias, max_rows=WIDE_MAX_ROWS), summed
@@ -102,8 +95,7 @@ def auto_ops(max_rows: int) -> Ops:
     """Triton projections up to max_rows rows, cuBLAS above (EngineConfig.projections="auto"),
     but for the LM head (WIDE_MAX_ROWS)."""
     return replace(
-        TRITON_OPS, name="triton-auto", embedding=linear_triton.lazy_embedding,
-        linear=partial(linear_triton.linear, max_rows=max_rows),
+        TRITON_OPS, name="triton-auto", linear=partial(linear_triton.linear, max_rows=max_rows),
         norm_linear=partial(_auto_norm_linear, max_rows=max_rows),
         silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=max_rows))
 

@@ -208,51 +208,6 @@ def test_model_forward_with_triton_projections(K, hf_dirs_moderate, packed):
             assert err <= 1.25 * base_err + 1e-3, (err, base_err)
 
 
-@kernel_test
-@pytest.mark.gpu
-@pytest.mark.parametrize("vocab,k,n", big([(128256, 2048, 3072), (1000, 896, 1152)],
-                                          [(50, 64, 48), (37, 96, 40)]))
-@pytest.mark.parametrize("bias", [False, True])
-def test_embedding_gathered_in_the_projection(K, vocab, k, n, bias):
-    """embed_norm_linear (the first layer's qkv of a one-row forward, the gather in its
-    prologue) gives bitwise what the gather and then norm_linear give, and the gathered row
-    as the residual stream; more than one row falls back to the two."""
-    dtype = torch.bfloat16
-    table = _randn((vocab, k), dtype, 30)
-    nw = (1.0 + 0.2 * _randn((k,), torch.float32, 31)).to(dtype)
-    w = _randn((n, k), dtype, 32, k ** -0.5)
-    b = _randn((n,), dtype, 33) if bias else None
-    for ids in ([vocab - 1], [3], [5, vocab - 2]):
-        ids = torch.tensor(ids, device=DEV)
-        lazy = K.lt.lazy_embedding(ids, table)
-        assert isinstance(lazy, K.lt.Embedded) == (len(ids) == 1)
-        out, summed = K.lt.embed_norm_linear(K.lt.Embedded(ids, table), nw, 1e-6, w, b)
-        rows = torch.nn.functional.embedding(ids, table)
-        want, _ = K.lt.norm_linear(rows, None, nw, 1e-6, w, b)
-        assert torch.equal(summed, rows) and torch.equal(out, want)
-
-
-@kernel_test
-@pytest.mark.gpu
-def test_one_row_forward_with_the_gather_in_the_first_projection(K, hf_dirs_moderate):
-    """The "auto" op set defers a one-row forward's embedding gather into the first qkv
-    projection: the logits equal, bitwise, those of the same op set gathering first."""
-    from dataclasses import replace
-
-    from graphexec.kernels.embedding import embedding_ref
-    from graphexec.kernels.triton_ops import TRITON_SINGLE_ROW_OPS
-    from test_hf_parity import PROMPTS, _graphexec_prefill_logits
-
-    path, _ = hf_dirs_moderate["qwen2"]  # qkv bias
-    gathering = replace(TRITON_SINGLE_ROW_OPS, embedding=embedding_ref)
-    for prompt in (PROMPTS[0][:1], PROMPTS[1][:1]):  # one token: a one-row forward each
-        ours = _graphexec_prefill_logits(path, str(DEV), torch.bfloat16, [prompt],
-                                         ops=TRITON_SINGLE_ROW_OPS)
-        plain = _graphexec_prefill_logits(path, str(DEV), torch.bfloat16, [prompt],
-                                          ops=gathering)
-        assert torch.equal(ours[0], plain[0])
-
-
 def test_linear_config_is_checked():
     pytest.importorskip("triton")
     from graphexec.kernels.linear_triton import LinearConfig

@@ -93,10 +93,6 @@ def _bf16(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).to(torch.bfloat16)
 
 
-def _consts(kernel) -> dict:
-    return {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
-
-
 def _weight_loads(kernel) -> tuple[int, int]:
     """(vector or async global loads, scalar 16-bit global loads) in the PTX."""
     ptx = kernel.asm["ptx"]
@@ -333,28 +329,3 @@ def test_model_kernels_compile(compiled, monkeypatch):
         consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
         allowed = 2 + (3 if consts.get("ROPE") else 0)
         assert _weight_loads(kernel)[1] <= allowed, (name, _weight_loads(kernel))
-
-
-def test_gathering_projection_waits_before_it_signals(compiled, monkeypatch):
-    """The first projection of a one-row forward gathers its input row from the embedding
-    table (linear_triton.Embedded) and is then the forward's first kernel: before its PDL wait
-    it may fetch weights only, and it lets its dependents launch only after the wait (they
-    read ahead of their own waits what was written before the forward began)."""
-    from graphexec.kernels import linear_triton as lt
-    from graphexec.kernels import pdl
-
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: projection)
-    x = lt.Embedded(torch.tensor([5]), _bf16(100, 2048))
-    lt.embed_norm_linear(x, _bf16(2048), 1e-5, _bf16(3072, 2048), _bf16(3072))
-    (kernel,) = [k for name, k in compiled if name == "_linear_kernel"]
-    assert _consts(kernel)["GATHER"] and kernel.metadata.launch_pdl
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 1
-    wait = ptx.index("griddepcontrol.wait")
-    before, after = ptx[:wait], ptx[wait:]
-    assert "griddepcontrol.launch_dependents" not in before
-    assert "griddepcontrol.launch_dependents" in after
-    assert not re.search(r"\bst\.global|\batom\.", before)
-    # the weight tile only: 16-byte loads, no load of the token id before the wait
-    assert re.search(r"ld\.global(?:\.\w+)*\.v4", before)
-    assert not re.search(r"ld\.global(?!(?:\.\w+)*\.v4)", before)

@@ -405,15 +405,9 @@ def main() -> None:
     ap.add_argument("--forward", nargs="*", metavar="MODEL", default=None,
                     help="instead: the decode forward alone at batch 1, context 192 (the "
                          "issue-3 goal; default llama-1b), printed as JSON lines")
-    ap.add_argument("--gather-first", action="store_true",
-                    help="--forward with the embedding gathered in a launch of its own (the "
-                         "default: in the first projection's prologue)")
     ap.add_argument("--sweep-attention", action="store_true",
                     help="instead: decode attention under alternative launch configs")
     args = ap.parse_args()
-    if args.gather_first:
-        from decode_variants import gather_first
-        gather_first()
     if args.forward is not None:
         copy_gbps = _strict_copy_gbps(_copy_bandwidth())
         rows = [bench_forward(m, copy_gbps=copy_gbps) for m in args.forward or ["llama-1b"]]

@@ -61,9 +61,6 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               decode attention with 2 / 3 context splits per row at every batch size
   no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
               norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
-  gather-first
-              a one-row forward gathers its embedding row in a launch of its own, before the
-              first projection (stop 16's way), not in that projection's prologue
   early-ss    the consumer of a Prenormed sums the per-tile sums of squares as soon as it
               loads them (linear_triton.ROW_SCALE_EARLY_SUM)
   no-norms-timing
@@ -270,15 +267,6 @@ def _cublaslt() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
-def gather_first() -> None:
-    from dataclasses import replace
-
-    from graphexec.kernels import triton_ops
-    from graphexec.kernels.embedding import embedding_ref
-    triton_ops.TRITON_SINGLE_ROW_OPS = replace(triton_ops.TRITON_SINGLE_ROW_OPS,
-                                               embedding=embedding_ref)
-
-
 def _no_prenorm() -> None:
     from graphexec.kernels import triton_ops
     triton_ops.PRENORM = False
@@ -319,7 +307,7 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
-                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm, "gather-first": gather_first,
+                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
                    "early-ss": partial(setattr, lt, "ROW_SCALE_EARLY_SUM", True)}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import Ops
 from ..kernels.rope import rope_cos_sin
@@ -96,14 +97,10 @@ class LlamaModel:
         """input_ids, positions: [T]. Returns the last layer's output before the final norm,
         which compute_logits applies."""
         w = self.weights
-        # Every kernel after the gather may read, before its PDL wait, what was written before
-        # the forward began (the step's metadata, the KV of earlier positions; the fused
-        # attention does). So the gather lets nothing after it start until everything before
-        # it is complete: a normal launch, or (an op set that defers the gather into the first
-        # projection, kernels/linear_triton.py Embedded) a dependent that waits, then signals.
-        h = self.ops.embedding(input_ids, w.embed)
-        if not w.layers and not isinstance(h, torch.Tensor):
-            h = h.gather()
+        # A normal launch, never a programmatic dependent (kernels/pdl.py): every kernel after
+        # it may read, before its PDL wait, what was written before the forward began (the
+        # step's metadata, the KV of earlier positions); the fused attention does.
+        h = F.embedding(input_ids, w.embed)
         # the first layer's residual stream starts at the embeddings
         return self.forward_layers(FinalHidden(h, None), positions, attn, kv)
 
