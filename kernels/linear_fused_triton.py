@@ -79,9 +79,9 @@ def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
                    row_scale=p.ss)[0]
 
 
-# Launch configs of the epilogue-fused projections (tools/tune_fused.py sets them to compare):
-# kind -> LinearConfig, for "gate_up" (silu epilogue, N = the intermediate size) and "add"
-# (o and down, residual epilogue).
+# Launch configs of the epilogue-fused projections (tools/tune_fused.py and decode_variants set
+# them to compare): kind -> LinearConfig, for "gate_up" (silu epilogue, N = the intermediate
+# size), "qkv", and "add" (o and down, residual epilogue) or "o" / "down" for one of the two.
 FUSED_TUNING: dict[str, LinearConfig] = {}
 
 

@@ -39,7 +39,7 @@ def silu_mul_linear_invariant(gate_up: torch.Tensor, weight: torch.Tensor,
     if not lt.supported(gate_up, weight, 2, bias, max_rows=INVARIANT_MAX_ROWS):
         return lt.silu_mul_then_linear(gate_up, weight, bias)
     return lt._launch(gate_up, None, None, 0.0, weight, bias, invariant_config(*weight.shape),
-                   gated=True)[0]
+                      gated=True)[0]
 
 
 def norm_linear_invariant(x: torch.Tensor, residual: torch.Tensor | None,

@@ -61,8 +61,6 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               decode attention with 2 / 3 context splits per row at every batch size
   no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
               norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
-  early-ss    the consumer of a Prenormed sums the per-tile sums of squares as soon as it
-              loads them (linear_triton.ROW_SCALE_EARLY_SUM)
   no-norms-timing
               TIMING ONLY, wrong outputs: every RMSNorm kernel of a 33-64 row batch skipped
               (the input passed on as if normed): what removing them could save at most
@@ -307,8 +305,7 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
-                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
-                   "early-ss": partial(setattr, lt, "ROW_SCALE_EARLY_SUM", True)}
+                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm}
 
 
 def _auto_rows(max_rows: int) -> None:
