@@ -37,18 +37,24 @@ class Prenormed:
 
 
 def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | None = None,
-                max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """silu(gate) * up of x's projection by [gate | up]: the activation in the epilogue."""
+                max_rows: int = MAX_ROWS, prefetch: torch.Tensor | None = None,
+                prefetch_bytes: int = 0) -> torch.Tensor:
+    """silu(gate) * up of x's projection by [gate | up]: the activation in the epilogue.
+    prefetch, prefetch_bytes (here and below): that much of the next projection's weight is
+    warmed in L2 (linear_triton._launch)."""
     if not supported(x, gate_up, 1, max_rows=max_rows) or gate_up.shape[0] % 2:
         return silu_mul(F.linear(x, gate_up))
     return _launch(x, None, None, 0.0, gate_up, None,
                    config or pick_fused_config(x.shape[0], gate_up.shape[0] // 2,
-                                               gate_up.shape[1], "gate_up"), silu_out=True)[0]
+                                               gate_up.shape[1], "gate_up"), silu_out=True,
+                   prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
-               next_norm: torch.Tensor | None = None) -> torch.Tensor | Prenormed:
+               next_norm: torch.Tensor | None = None,
+               prefetch: torch.Tensor | None = None,
+               prefetch_bytes: int = 0) -> torch.Tensor | Prenormed:
     """linear(x) + residual in one kernel (the add in the epilogue, or in the split-K sum):
     the attention output and MLP projections whose result joins the residual stream.
     next_norm: the weight of the RMSNorm after it; the result is then a Prenormed (torch's
@@ -58,13 +64,16 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
         return F.linear(x, weight) + residual
     out = _launch(x, None, None, 0.0, weight, None,
                   config or pick_fused_config(x.shape[0], *weight.shape, "add"),
-                  res_out=residual, norm_out=next_norm)
+                  res_out=residual, norm_out=next_norm, prefetch=prefetch,
+                  prefetch_bytes=prefetch_bytes)
     return out[0] if next_norm is None else Prenormed(out[0], out[2], out[3], next_norm)
 
 
 def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
                      bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                     silu_out: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
+                     silu_out: bool = False, max_rows: int = MAX_ROWS,
+                     prefetch: torch.Tensor | None = None,
+                     prefetch_bytes: int = 0) -> torch.Tensor:
     """The projection of rms_norm(p.h) (p.norm_weight, eps) from its Prenormed form: p.g as the
     input, 1 / rms in the epilogue. silu_out: the weight is [gate | up] and the result
     silu(gate) * up, as linear_silu."""
@@ -76,7 +85,7 @@ def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
         return silu_mul(out) if silu_out else out
     cfg = config or pick_fused_config(m, n, k, "gate_up" if silu_out else "qkv")
     return _launch(p.g, None, None, eps, weight, bias, cfg, silu_out=silu_out,
-                   row_scale=p.ss)[0]
+                   row_scale=p.ss, prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
 
 
 # Launch configs of the epilogue-fused projections (tools/tune_fused.py and decode_variants set

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .l2_prefetch import LINE_BYTES, lines_per_program, prefetch_l2
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
 
@@ -160,13 +161,13 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr, g_ptr, ss_ptr,
-                   M, N, K, k_per_split, eps, sx, sr, n_ss,
+                   pf_ptr, M, N, K, k_per_split, eps, sx, sr, n_ss, pf_total,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
                    RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
@@ -235,7 +236,8 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     if ROW_SCALE:
         # The producer's per-tile sums of squares of these rows, loaded now and summed after
         # the loop, so their latency hides behind the weight stream (summed at once, with the
-        # latency exposed, the batch-64 step was 1.4 % slower).
+        # latency exposed, the batch-64 step was 1.4 % slower; loaded a chunk per K block
+        # inside the loop, it broke the weight pipeline: 1.44-1.47 ms against 1.37).
         ts = tl.arange(0, BLOCK_SS)
         ss_parts = tl.load(ss_ptr + ts[:, None] * M + rm[None, :],
                            mask=(ts < n_ss)[:, None] & m_ok[None, :], other=0.0)
@@ -252,6 +254,9 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
         acc, acc_up, ss = _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K,
                                 ks, k_ok, m_ok, rstd, writes_sum, dtype, NORM, HAS_RES, GATED,
                                 ONE_PASS, SILU_OUT, BLOCK_M, UPCAST)
+    if PF_LINES > 0:  # own weights all requested: warm L2 with the next projection's
+        prefetch_l2(pf_ptr, pf_total, tl.program_id(0) + tl.program_id(1) * tl.num_programs(0),
+                    PF_LINES, PF_LINE)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
         if SILU_OUT:
@@ -383,12 +388,14 @@ _SUM_BLOCK = 1024  # columns per program of _split_sum_kernel
 
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
             gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None,
-            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None):
+            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
+            prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
     [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
     norm_out: with res_out, the next norm's weight, and then (out, summed, g, ss) come back
     (linear_fused_triton.Prenormed); row_scale: a Prenormed's ss, x being its g (eps: the
-    norm's)."""
+    norm's); prefetch: the weight of the projection after this one, whose first
+    prefetch_bytes the programs ask L2 for after their own loop (kernels/l2_prefetch.py)."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
@@ -418,10 +425,13 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         ss = _new((tiles, m), torch.float32, x.device)
     nw = next(t for t in (norm_weight, norm_out, x) if t is not None)
     n_ss = 0 if row_scale is None else row_scale.shape[0]
+    pf_lines = 0 if _INTERPRET else lines_per_program(prefetch, prefetch_bytes,
+                                                      grid[0] * grid[1])
     _linear_kernel[grid](
         x, r, nw, weight, bias if bias is not None else x, out, summed, ws,
         g if g is not None else out, next(t for t in (ss, row_scale, out) if t is not None),
-        m, n, k, k_per_split, eps, x.stride(0), r.stride(0), n_ss,
+        prefetch if pf_lines else x, m, n, k, k_per_split, eps, x.stride(0), r.stride(0), n_ss,
+        prefetch.numel() if pf_lines else 0,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
@@ -430,6 +440,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
+        PF_LINES=pf_lines, PF_LINE=LINE_BYTES // (prefetch.element_size() if pf_lines else 1),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
         block = min(_SUM_BLOCK, triton.next_power_of_2(n))
@@ -443,24 +454,29 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: LinearConfig | None = None, max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """max_rows: above it cuBLAS (the "auto" projections pass 1)."""
+           config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
+           prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0) -> torch.Tensor:
+    """max_rows: above it cuBLAS (the "auto" projections pass 1); prefetch: see _launch."""
     if not supported(x, weight, 1, bias, max_rows=max_rows):
         return F.linear(x, weight, bias)
-    return _launch(x, None, None, 0.0, weight, bias, config)[0]
+    return _launch(x, None, None, 0.0, weight, bias, config, prefetch=prefetch,
+                   prefetch_bytes=prefetch_bytes)[0]
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                    max_rows: int = MAX_ROWS) -> torch.Tensor:
+                    max_rows: int = MAX_ROWS, prefetch: torch.Tensor | None = None,
+                    prefetch_bytes: int = 0) -> torch.Tensor:
     """linear(silu(gate) * up): up to FUSE_MAX_ROWS rows (or any given config) the activation
     runs in the down projection's prologue, saving a launch and the intermediate's round trip
     through memory; above, the activation kernel then linear()."""
     if not supported(gate_up, weight, 2, bias, max_rows=max_rows):
         return silu_mul_then_linear(gate_up, weight, bias)
     if config is None and gate_up.shape[0] > FUSE_MAX_ROWS:
-        return linear(silu_mul(gate_up), weight, bias, max_rows=max_rows)
-    return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True)[0]
+        return linear(silu_mul(gate_up), weight, bias, max_rows=max_rows, prefetch=prefetch,
+                      prefetch_bytes=prefetch_bytes)
+    return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True,
+                   prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
 
 
 def silu_mul_then_linear(gate_up: torch.Tensor, weight: torch.Tensor,
@@ -488,7 +504,8 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Ten
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: LinearConfig | None = None, max_rows: int = MAX_ROWS
+                config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
+                prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel up to FUSE_MAX_ROWS rows (or any given config). Beyond that every program
     re-reading the rows for their mean square costs more than the separate norm launch it
@@ -498,5 +515,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
     if config is None and x.shape[0] > FUSE_MAX_ROWS:
         normed, summed = _norm(x, residual, norm_weight, eps)
-        return linear(normed, weight, bias, max_rows=max_rows), summed
-    return _launch(x, residual, norm_weight, eps, weight, bias, config)
+        return linear(normed, weight, bias, max_rows=max_rows, prefetch=prefetch,
+                      prefetch_bytes=prefetch_bytes), summed
+    return _launch(x, residual, norm_weight, eps, weight, bias, config, prefetch=prefetch,
+                   prefetch_bytes=prefetch_bytes)

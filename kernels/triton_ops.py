@@ -42,6 +42,7 @@ from . import (activation_triton, advance_triton, attention_triton,  # noqa: E40
 from . import Ops  # noqa: E402
 from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref  # noqa: E402
+from .weight_order import next_weight  # noqa: E402
 
 TRITON_OPS = Ops(
     name="triton",
@@ -82,22 +83,47 @@ TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
 WIDE_WEIGHT_ROWS = 65536
 WIDE_MAX_ROWS = 16
 
+# A Triton projection warms L2 with the first bytes of the weight of the projection after it
+# (kernels/l2_prefetch.py), where the model linked them (kernels/weight_order.py): bytes by the
+# kind of the projection that asks ("one_row": every projection of a one-row batch); 0 or
+# absent for none.
+L2_PREFETCH_BYTES = {"qkv": 2 << 20, "o": 2 << 20, "gate_up": 2 << 20, "down": 2 << 20,
+                     "one_row": 2 << 20}
+
+
+def _warm_next(weight, kind: str) -> dict:
+    """The prefetch arguments of a projection of `kind`."""
+    return dict(prefetch=next_weight(weight), prefetch_bytes=L2_PREFETCH_BYTES.get(kind, 0))
+
+
+def _warm_one_row(x, weight) -> dict:
+    return _warm_next(weight, "one_row") if x.shape[0] == 1 else {}
+
 
 def _auto_norm_linear(x, residual, norm_weight, eps, weight, bias=None, *, max_rows: int):
     if weight.shape[0] >= WIDE_WEIGHT_ROWS and max_rows < x.shape[0] <= WIDE_MAX_ROWS:
         normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
         return linear_triton.linear(normed, weight, bias, max_rows=WIDE_MAX_ROWS), summed
     return linear_triton.norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                     max_rows=max_rows)
+                                     max_rows=max_rows, **_warm_one_row(x, weight))
+
+
+def _auto_linear(x, weight, bias=None, *, max_rows: int):
+    return linear_triton.linear(x, weight, bias, max_rows=max_rows, **_warm_one_row(x, weight))
+
+
+def _auto_silu_mul_linear(gate_up, weight, bias=None, *, max_rows: int):
+    return linear_triton.silu_mul_linear(gate_up, weight, bias, max_rows=max_rows,
+                                         **_warm_one_row(gate_up, weight))
 
 
 def auto_ops(max_rows: int) -> Ops:
     """Triton projections up to max_rows rows, cuBLAS above (EngineConfig.projections="auto"),
     but for the LM head (WIDE_MAX_ROWS)."""
     return replace(
-        TRITON_OPS, name="triton-auto", linear=partial(linear_triton.linear, max_rows=max_rows),
+        TRITON_OPS, name="triton-auto", linear=partial(_auto_linear, max_rows=max_rows),
         norm_linear=partial(_auto_norm_linear, max_rows=max_rows),
-        silu_mul_linear=partial(linear_triton.silu_mul_linear, max_rows=max_rows))
+        silu_mul_linear=partial(_auto_silu_mul_linear, max_rows=max_rows))
 
 
 # The qkv projection of the fused path on Triton (after the norm kernel) instead of cuBLAS, for
@@ -147,13 +173,15 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
         if triton_qkv and _prenormed_by(x, norm_weight):
             config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
             return linear_fused_triton.prenormed_linear(x, eps, weight, bias, config,
-                                                  max_rows=max_rows), x.h
+                                                        max_rows=max_rows,
+                                                        **_warm_next(weight, "qkv")), x.h
         x = _plain(x)
         if not triton_qkv:
             return base.norm_linear(x, residual, norm_weight, eps, weight, bias)
         normed, summed = linear_triton._norm(x, residual, norm_weight, eps)
         config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
-        return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows), summed
+        return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows,
+                                    **_warm_next(weight, "qkv")), summed
 
     def rope_decode_attention(q, *args):
         if fused(q) and last_qkv_triton[0]:
@@ -164,7 +192,8 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
         if not fused(x) or residual is None:
             return base.linear(x, weight), residual
         return linear_fused_triton.linear_add(x, weight, residual, max_rows=max_rows,
-                                        next_norm=next_norm if PRENORM else None), None
+                                              next_norm=next_norm if PRENORM else None,
+                                              **_warm_next(weight, "o")), None
 
     def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
         if not fused(x):
@@ -172,15 +201,18 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
             return base.silu_mul_linear(h, down), summed
         if _prenormed_by(x, norm_weight):
             act = linear_fused_triton.prenormed_linear(x, eps, gate_up, silu_out=True,
-                                                 max_rows=max_rows)
+                                                       max_rows=max_rows,
+                                                       **_warm_next(gate_up, "gate_up"))
             summed = x.h
         else:
             normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
-            act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows)
+            act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows,
+                                                  **_warm_next(gate_up, "gate_up"))
         # the next layer's qkv takes a Prenormed only on Triton (this layer's tells)
         prenorm = next_norm if PRENORM and last_qkv_triton[0] else None
         return linear_fused_triton.linear_add(act, down, summed, max_rows=max_rows,
-                                        next_norm=prenorm), None
+                                              next_norm=prenorm,
+                                              **_warm_next(down, "down")), None
 
     return replace(base, name=f"{base.name}-fused{min_rows}-{max_rows}",
                    norm_linear=norm_linear, out_linear=out_linear, mlp=mlp,

@@ -98,12 +98,18 @@ def test_residual_epilogue_begins_the_next_norm(K, m, n, k, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,hidden,n", big([(64, 2048, 3072), (48, 2048, 8192), (33, 896, 1000)],
                                            [(17, 64, 48), (3, 96, 40)]))
-@pytest.mark.parametrize("silu_out", [False, True])
-def test_prenormed_projection_equals_norm_then_projection(K, m, hidden, n, silu_out):
+@pytest.mark.parametrize("silu_out,split", [(False, 1), (True, 1), (False, 2)])
+def test_prenormed_projection_equals_norm_then_projection(K, m, hidden, n, silu_out, split):
     """A projection of a Prenormed (g in, 1 / rms(h) in the epilogue) against the RMSNorm
     reference and an fp32 projection: no less accurate than the norm kernel and the projection
-    in two launches, the path it replaces."""
+    in two launches, the path it replaces. split 2: each K split streams the per-tile sums over
+    its own (fewer) K blocks."""
     from graphexec.kernels import rmsnorm
+    config = None
+    if split > 1:
+        big_k = hidden >= 512
+        config = K.lt.LinearConfig(64 if big_k else 16, 64 if big_k else 16,
+                                   128 if big_k else 16, split)
     dtype, eps = torch.bfloat16, 1e-5
     h = _randn((m, hidden), dtype, 64, 3.0)
     nw = (1.0 + 0.2 * _randn((hidden,), torch.float32, 65)).to(dtype)
@@ -113,7 +119,8 @@ def test_prenormed_projection_equals_norm_then_projection(K, m, hidden, n, silu_
     p = K.lf.linear_add(zero, torch.zeros((hidden, 16), dtype=dtype, device=DEV), h,
                         next_norm=nw)
     assert torch.equal(p.h, h)
-    out = K.lf.prenormed_linear(p, eps, w, silu_out=silu_out)
+    assert p.ss.shape[0] > 1  # several tiles' sums to stream
+    out = K.lf.prenormed_linear(p, eps, w, config=config, silu_out=silu_out)
     normed = rmsnorm.rms_norm_ref(h.float(), nw.float(), eps)
     truth = normed @ w.float().t()
     two = K.lt.linear(rmsnorm.rms_norm_ref(h, nw, eps), w)  # the norm kernel's rounding

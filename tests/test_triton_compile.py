@@ -120,9 +120,13 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
         p = lf.linear_add(_bf16(64, inter), _bf16(h, inter), _bf16(64, h), cfg, next_norm=_bf16(h))
         lf.prenormed_linear(p, 1e-5, _bf16(qkv, h))
         lf.prenormed_linear(p, 1e-5, _bf16(2 * inter, h), silu_out=True)
+    # the L2 warm-up of the next projection's weight: the hint is in the code, a line a lane
+    lt.linear(_bf16(64, h), _bf16(qkv, h), config=lt.LinearConfig(64, 32, 128),
+              prefetch=_bf16(h, h), prefetch_bytes=2 << 20)
     li.norm_linear_invariant(_bf16(80, h), _bf16(80, h), _bf16(h), 1e-5, _bf16(h, h))
     names = {name for name, _ in compiled}
     assert {"_linear_kernel", "_split_sum_kernel"} <= names, names
+    prefetching = 0
     for name, kernel in compiled:
         if name == "_linear_kernel":
             fast, scalar = _weight_loads(kernel)
@@ -130,6 +134,10 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
             # A bias of BLOCK_N = 2 elements may load as scalars; weights as scalars would be
             # BLOCK_N * BLOCK_K / threads loads per thread (dozens).
             assert fast > 0 and scalar <= 2, (sorted(consts.items()), fast, scalar)
+            hints = kernel.asm["ptx"].count("prefetch.global.L2::evict_last")
+            assert (hints > 0) == (consts["PF_LINES"] > 0), (consts["PF_LINES"], hints)
+            prefetching += consts["PF_LINES"] > 0
+    assert prefetching == 1
 
 
 def _before_wait(ptx: str) -> str:

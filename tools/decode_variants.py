@@ -61,6 +61,9 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               decode attention with 2 / 3 context splits per row at every batch size
   no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
               norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
+  no-l2-prefetch
+              the fused projections do not warm L2 with the next projection's weight
+              (--l2 sets how much they do, by kind)
   no-norms-timing
               TIMING ONLY, wrong outputs: every RMSNorm kernel of a 33-64 row batch skipped
               (the input passed on as if normed): what removing them could save at most
@@ -270,6 +273,11 @@ def _no_prenorm() -> None:
     triton_ops.PRENORM = False
 
 
+def _no_l2_prefetch() -> None:
+    from graphexec.kernels import triton_ops
+    triton_ops.L2_PREFETCH_BYTES.clear()
+
+
 def _no_norms_timing() -> None:
     shipped = lt._norm
 
@@ -305,7 +313,8 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
-                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm}
+                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
+                   "no-l2-prefetch": _no_l2_prefetch}
 
 
 def _auto_rows(max_rows: int) -> None:
@@ -376,7 +385,15 @@ def main() -> None:
                          "block_n, num_warps, num_stages, merge, prefetch")
     ap.add_argument("--pdl-max-rows", type=int, default=None,
                     help="Triton projections of more rows launch normally (not as dependents)")
+    ap.add_argument("--l2", default=None, metavar="KIND=MIB[,KIND=MIB]",
+                    help="MiB of the next projection's weight that a fused projection of KIND "
+                         "(qkv, o, gate_up, down, or all) warms in L2 (triton_ops)")
     args = ap.parse_args()
+    for item in (args.l2.split(",") if args.l2 else []):
+        from graphexec.kernels import triton_ops
+        kind, mib = item.split("=")
+        for key in (triton_ops.L2_PREFETCH_BYTES if kind == "all" else [kind]):
+            triton_ops.L2_PREFETCH_BYTES[key] = int(float(mib) * 2**20)
     for item in (args.attn.split(",") if args.attn else []):
         key, value = item.split("=")
         _set_tuning(key, int(value))

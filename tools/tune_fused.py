@@ -34,15 +34,26 @@ from tune_linear import SHAPES, time_graph  # noqa: E402
 LAYERS = 16
 
 
-def candidates(m: int, kind: str) -> list[lt.LinearConfig]:
+def candidates(m: int, kind: str, wide: bool = False) -> list[lt.LinearConfig]:
+    """wide: also column tiles of 128-256 (so fewer programs re-read the rows from L2), K split
+    up to 16 ways (qkv too), and eight warps for the wide tiles."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     add = kind.startswith("add")
+    splittable = add or (wide and kind in ("qkv", "lm_head"))
+    block_ns = [16, 32, 64] + ([128, 256] if wide else [])
+    splits = ([1, 2, 4] + ([8, 16] if wide else [])) if splittable else [1]
     out = []
-    for bn, bk, split, stages in itertools.product(
-            [16, 32, 64], [128] if add else [64, 128], [1, 2, 4] if add else [1], [4, 5]):
-        if kind == "silu" and (bn == 16 or bk == 128):
+    for bn, bk, split, stages, warps in itertools.product(
+            block_ns, [128] if add or wide and kind == "qkv" else [64, 128], splits,
+            [3, 4] if wide else [4, 5],
+            [4, 8] if wide else [4]):
+        if kind == "silu" and (bn == 16 or bk == 128 and bn < 64):
             continue  # two accumulators: wide tiles spill, narrow ones did not pay (call 1)
-        out.append(lt.LinearConfig(block_m, bn, bk, split, num_warps=4, num_stages=stages))
+        if warps == 8 and bn < 128 and kind != "silu" or wide and split > 1 and bn < 32:
+            continue
+        if kind == "lm_head" and (bn < 64 or split > 1):
+            continue  # 2004 programs at 64 columns already
+        out.append(lt.LinearConfig(block_m, bn, bk, split, num_warps=warps, num_stages=stages))
     return out
 
 
@@ -51,9 +62,15 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batches", nargs="+", type=int, default=[64])
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--wide", action="store_true",
+                    help="wider tiles, deeper splits, 8 warps, and the LM head (see candidates)")
+    ap.add_argument("--l2-mib", nargs="*", type=float, default=[1, 2, 4],
+                    help="the chain again with L2 prefetch of the next weight, these MiB")
+    ap.add_argument("--kinds", nargs="+", default=None,
+                    help="only these kinds (qkv add_o silu add_down, lm_head with --wide)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    h, qkv_n, inter, _ = SHAPES[args.model]
+    h, qkv_n, inter, vocab = SHAPES[args.model]
     dt, dev = torch.bfloat16, "cuda"
     rnd = lambda *s: torch.randn(*s, dtype=dt, device=dev) * s[-1] ** -0.5
     w = [dict(qkv=rnd(qkv_n, h), o=rnd(h, h), gate_up=rnd(2 * inter, h), down=rnd(h, inter),
@@ -75,11 +92,17 @@ def main() -> None:
             "silu": lambda i: at.silu_mul(F.linear(x, w[i]["gate_up"])),
             "add_down": lambda i: F.linear(act, w[i]["down"]),
         }
+        if args.wide:  # two copies of the (L2-defeating) vocabulary projection
+            heads = [rnd(vocab, h) for _ in range(2)]
+            ops["lm_head"] = lambda i, c: lt.linear(x, heads[i % 2], config=c)
+            cublas["lm_head"] = lambda i: F.linear(x, heads[i % 2])
         best = {}
         for kind, fn in ops.items():
+            if args.kinds and kind not in args.kinds:
+                continue
             base = time_graph(cublas[kind], LAYERS) * 1e6
             timed = []
-            for cfg in candidates(m, kind):
+            for cfg in candidates(m, kind, args.wide):
                 try:
                     timed.append((time_graph(lambda i: fn(i, cfg), LAYERS) * 1e6, cfg))
                 except Exception as e:  # out of shared memory / registers: not a candidate
@@ -91,16 +114,19 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
 
-        def fused_chain(i, qkv_triton):
+        def fused_chain(i, qkv_triton, l2=0):
+            # kernels/l2_prefetch.py: each projection warms L2 with the next one's weight
+            nxt = lambda name: dict(prefetch=w[i][name] if l2 else None, prefetch_bytes=l2)
             n1 = nr.rms_norm(x, w[i]["n1"], 1e-5)
             if qkv_triton:
-                lt.linear(n1, w[i]["qkv"], config=best["qkv"])
+                lt.linear(n1, w[i]["qkv"], config=best["qkv"], **nxt("o"))
             else:
                 F.linear(n1, w[i]["qkv"])
-            s1 = lf.linear_add(att, w[i]["o"], res, config=best["add_o"])
+            s1 = lf.linear_add(att, w[i]["o"], res, config=best["add_o"], **nxt("gate_up"))
             a = lf.linear_silu(nr.rms_norm(s1, w[i]["n2"], 1e-5), w[i]["gate_up"],
-                               config=best["silu"])
-            return lf.linear_add(a, w[i]["down"], s1, config=best["add_down"])
+                               config=best["silu"], **nxt("down"))
+            return lf.linear_add(a, w[i]["down"], s1, config=best["add_down"],
+                                 prefetch=w[(i + 1) % LAYERS]["qkv"], prefetch_bytes=l2)
 
         def cublas_chain(i):
             n1, s0 = nr.add_rms_norm(x, res, w[i]["n1"], 1e-5)
@@ -109,6 +135,8 @@ def main() -> None:
             n2, s1 = nr.add_rms_norm(o, s0, w[i]["n2"], 1e-5)
             return F.linear(at.silu_mul(F.linear(n2, w[i]["gate_up"])), w[i]["down"])
 
+        if len(best) < 4:  # --kinds left some out
+            continue
         chain = dict(m=m, kind="layer chain", cublas_us=round(time_graph(cublas_chain, LAYERS)
                                                              * 1e6, 2),
                      configs={k: vars(c) for k, c in best.items()})
@@ -120,6 +148,9 @@ def main() -> None:
                 key = f"fused_qkv{'triton' if qkv_triton else 'cublas'}_pdl{int(pdl_rows > 0)}_us"
                 chain[key] = round(time_graph(fn, LAYERS) * 1e6, 2)
         lt.PDL_MAX_ROWS = pdl_limit
+        for mib in args.l2_mib:  # each projection warming L2 with the next one's weight
+            chain[f"fused_qkvtriton_pdl1_l2_{mib}mib_us"] = round(
+                time_graph(lambda i: fused_chain(i, 1, l2=int(mib * 2**20)), LAYERS) * 1e6, 2)
         results.append(chain)
         print(json.dumps(chain), flush=True)
     os.makedirs(args.out, exist_ok=True)

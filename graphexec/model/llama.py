@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..kernels import Ops
 from ..kernels.rope import rope_cos_sin
+from ..kernels.weight_order import link_next_weights
 from .config import ModelConfig
 
 
@@ -83,6 +84,10 @@ class LlamaModel:
         self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
                                           config.rope_scaling, device=device)
         self.scale = config.head_dim ** -0.5
+        # the launch order, for op sets that warm L2 with the next projection's weight
+        link_next_weights([t for layer in weights.layers
+                           for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                          + [weights.lm_head])
 
     @property
     def device(self) -> torch.device:
