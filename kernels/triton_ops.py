@@ -86,9 +86,14 @@ WIDE_MAX_ROWS = 16
 # A Triton projection warms L2 with the first bytes of the weight of the projection after it
 # (kernels/l2_prefetch.py), where the model linked them (kernels/weight_order.py): bytes by the
 # kind of the projection that asks ("one_row": every projection of a one-row batch); 0 or
-# absent for none.
-L2_PREFETCH_BYTES = {"qkv": 2 << 20, "o": 2 << 20, "gate_up": 2 << 20, "down": 2 << 20,
-                     "one_row": 2 << 20}
+# absent for none. H100, llama-1b, tools/decode_variants.py --l2 (calls C-E, 2026-11-24):
+# batch 64 1.3878-1.3951 ms a step with none, 1.3614-1.3685 with 2 MiB each, 1.3536 / 1.3421
+# with 3 each; 2 / 3 / 4 / 3 (qkv / o / gate_up / down) 1.3546 / 1.3491; 4 MiB after qkv only
+# (the attention between it and o) 1.3716, 8 there 1.3791. One row (the issue-3 forward,
+# bench_kernels): 0 MiB 987.6-988.6 us, 2 MiB 985.9-987.1, 4 MiB 977.4-979.9, 8 MiB
+# 1016-1019: past a few MiB the hints crowd out the kernels' own loads.
+L2_PREFETCH_BYTES = {"qkv": 3 << 20, "o": 3 << 20, "gate_up": 3 << 20, "down": 3 << 20,
+                     "one_row": 4 << 20}
 
 
 def _warm_next(weight, kind: str) -> dict:

@@ -137,6 +137,45 @@ def test_prenormed_projection_equals_norm_then_projection(K, m, hidden, n, silu_
 
 @kernel_test
 @pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs no inline PTX: no hint is issued")
+@pytest.mark.parametrize("m", [1, 64])
+def test_l2_prefetch_changes_no_result(K, m):
+    """Warming L2 with the next weight (kernels/l2_prefetch.py) only moves where later loads
+    are served from: every fused projection gives the same bits with the hint as without."""
+    from graphexec.kernels.l2_prefetch import lines_per_program
+    h, inter = 2048, 4096
+    x, res = _randn((m, h), torch.bfloat16, 71), _randn((m, h), torch.bfloat16, 72)
+    act = _randn((m, inter), torch.bfloat16, 73)
+    gate_up = _randn((2 * inter, h), torch.bfloat16, 74, h ** -0.5)
+    down = _randn((h, inter), torch.bfloat16, 75, inter ** -0.5)
+    nxt = _randn((3 * h, h), torch.bfloat16, 76)
+    assert lines_per_program(nxt, 4 << 20, 128) > 0
+    runs = []
+    for hint in (dict(), dict(prefetch=nxt, prefetch_bytes=4 << 20)):
+        runs.append((K.lt.linear(x, down.t().contiguous(), **hint),
+                     K.lf.linear_silu(x, gate_up, **hint),
+                     K.lf.linear_add(act, down, res, **hint),
+                     K.lf.linear_add(act, down, res, config=K.lt.LinearConfig(64, 64, 128, 4),
+                                     **hint)))
+    for plain, hinted in zip(*runs):
+        assert torch.equal(plain, hinted)
+
+
+def test_weights_link_in_launch_order_and_hint_sizes():
+    from graphexec.kernels.l2_prefetch import lines_per_program
+    from graphexec.kernels.weight_order import link_next_weights, next_weight
+    ws = [torch.zeros(64, 32, dtype=torch.bfloat16) for _ in range(3)]
+    link_next_weights(ws)
+    assert next_weight(ws[0]) is ws[1] and next_weight(ws[1]) is ws[2]
+    assert next_weight(ws[2]) is None and next_weight(torch.zeros(2)) is None
+    # 4 KiB = 32 lines of 128 bytes over 8 programs: 4 each; capped by max_bytes; none asked
+    assert lines_per_program(ws[0], 1 << 20, 8) == 4
+    assert lines_per_program(ws[0], 1024, 8) == 1
+    assert lines_per_program(ws[0], 0, 8) == 0 and lines_per_program(None, 1 << 20, 8) == 0
+
+
+@kernel_test
+@pytest.mark.gpu
 def test_silu_epilogue_refuses_split_k(K):
     x = _randn((4, 256), torch.bfloat16, 47)
     w = _randn((64, 256), torch.bfloat16, 49)
