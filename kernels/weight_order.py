@@ -11,9 +11,13 @@ _NEXT = "_graphexec_next_weight"
 
 
 def link_next_weights(weights: list[torch.Tensor]) -> None:
-    """weights: the projections in the order one decode forward launches them."""
+    """weights: the projections in the order one decode forward launches them. A weight
+    already linked keeps its link: the target model links first, and a self-draft built on
+    its first layers (graphexec/spec.py) would otherwise point the target's last draft layer
+    at the LM head (a speed question only: the link never changes a result)."""
     for weight, following in zip(weights, weights[1:]):
-        setattr(weight, _NEXT, following)
+        if next_weight(weight) is None:
+            setattr(weight, _NEXT, following)
 
 
 def next_weight(weight: torch.Tensor) -> torch.Tensor | None:

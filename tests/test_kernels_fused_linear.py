@@ -168,6 +168,8 @@ def test_weights_link_in_launch_order_and_hint_sizes():
     link_next_weights(ws)
     assert next_weight(ws[0]) is ws[1] and next_weight(ws[1]) is ws[2]
     assert next_weight(ws[2]) is None and next_weight(torch.zeros(2)) is None
+    link_next_weights([ws[0], ws[2]])  # a later model over the same weights: first link stays
+    assert next_weight(ws[0]) is ws[1]
     # 4 KiB = 32 lines of 128 bytes over 8 programs: 4 each; capped by max_bytes; none asked
     assert lines_per_program(ws[0], 1 << 20, 8) == 4
     assert lines_per_program(ws[0], 1024, 8) == 1
