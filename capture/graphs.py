@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -28,12 +29,16 @@ class GraphSet:
     graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = field(default_factory=dict)
     reports: list[BucketReport] = field(default_factory=list)
     pool: object = None
+    # called after every replay: the runner's ResultMailbox counts the iterations that ran
+    after_replay: Callable[[], None] | None = None
 
     def has(self, bucket: int, variant: Variant) -> bool:
         return (bucket, variant) in self.graphs
 
     def replay(self, bucket: int, variant: Variant) -> None:
         self.graphs[(bucket, variant)].replay()
+        if self.after_replay is not None:
+            self.after_replay()
 
     @classmethod
     def capture(cls, runner, buckets: list[int], variants: list[Variant],
@@ -43,7 +48,9 @@ class GraphSet:
         warm-up and capture write only the scratch block and the output buffers."""
         if runner.num_rows != 0:
             raise RuntimeError("graphs must be captured on an empty batch")
-        out = cls(pool=torch.cuda.graph_pool_handle())
+        mailbox = getattr(runner, "mailbox", None)
+        out = cls(pool=torch.cuda.graph_pool_handle(),
+                  after_replay=mailbox.ran if mailbox is not None else None)
         todo = [(b, v) for b in sorted(buckets, reverse=True) for v in variants]
         bar = None
         if progress:

@@ -79,3 +79,40 @@ class H2DRing:
     def slot_buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pinned buffers of slot i (tests inspect and rewrite them)."""
         return self._slots[i].ints, self._slots[i].floats
+
+
+class ResultMailbox:
+    """Where the GPU leaves each decode iteration's packed results (tokens and counts) for the
+    host: a ring of slots in pinned host memory, written by the iteration's last kernel
+    (kernels/publish_triton.py), so no D2H copy sits between two graph replays.
+
+    The slot is picked on the device by a counter the kernel advances, since a replayed graph
+    takes no host input. The host keeps a mirror of that counter: it adds one for every run of
+    the kernel, eager or replayed, but not for a capture, which runs nothing. Whoever runs an
+    iteration must call `ran()` once after it (ModelRunner.iterate, GraphSet.replay do).
+
+    A slot is rewritten R iterations later; the host reads each one an iteration after it was
+    launched (reconcile is one step behind), so with R >= 3 it reads before the GPU rewrites.
+    Visibility: the host reads a slot only after the event recorded behind its launch fired,
+    and a kernel's stores to mapped host memory are visible once a later event completes."""
+
+    def __init__(self, rows: int, width: int, device: torch.device, num_slots: int = 4):
+        if num_slots < 3:
+            raise ValueError(f"ResultMailbox needs num_slots >= 3, got num_slots={num_slots}")
+        self.ring = torch.zeros(num_slots, rows, width, dtype=torch.int64, pin_memory=True)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.launched = 0  # the host's mirror of `counter`
+
+    def publish(self, packed: torch.Tensor) -> None:
+        """Enqueues the copy of packed ([n, width] on the device) into the next slot."""
+        from ..kernels.publish_triton import publish
+
+        publish(packed, self.ring, self.counter)
+
+    def ran(self) -> None:
+        if not torch.cuda.is_current_stream_capturing():
+            self.launched += 1
+
+    def next_slot(self) -> int:
+        """The slot the next iteration writes."""
+        return self.launched % self.ring.shape[0]

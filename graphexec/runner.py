@@ -9,7 +9,7 @@ import torch
 
 from .capture.iteration import decode_iteration, sample_rows
 from .capture.spec_iteration import DraftModel, spec_iteration
-from .capture.staging import H2DRing
+from .capture.staging import H2DRing, ResultMailbox
 from .capture.state import DecodeState, StepDelta, Variant, pack_delta
 from .model import AttentionInputs, KVCache, LlamaModel
 from .outputs import TokenLogprob
@@ -57,12 +57,18 @@ class Launched:
     prefill_counts: list[int]  # tokens each prefill row sampled (0 for a resumed eviction)
     num_decode: int
     with_logprobs: bool
+    mailbox_slot: int | None = None  # where the decode rows' tokens are (ResultMailbox)
 
 
 @dataclass
 class StepTokens:
     prefill: list[Emitted]  # one per PrefillRow, in launch order
     decode: list[Emitted]  # one per row 0..num_decode-1
+
+
+# Decode tokens reach the host through ResultMailbox (the iteration's last kernel stores them in
+# pinned memory) instead of a D2H copy after each replay; decode_variants `d2h-copy` sets False.
+ZERO_COPY_RESULTS = True
 
 
 class ModelRunner:
@@ -95,6 +101,8 @@ class ModelRunner:
                             pinned(rows, w, n, dtype=torch.float32), pinned(rows, w, n))
 
         self._d2h = [slot() for _ in range(d2h_slots)]
+        self.mailbox = (ResultMailbox(max_rows + 1, w + 1, self.device, d2h_slots)
+                        if cuda and ZERO_COPY_RESULTS else None)
         self._next_slot = 0
         self._d2h_waits = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
@@ -112,6 +120,9 @@ class ModelRunner:
         else:
             spec_iteration(self.model, self.draft, self.state, self.kv, bucket, self.block_size,
                            self.k, variant)
+        if self.mailbox is not None:
+            self.mailbox.publish(self.state.out_packed[:bucket])
+            self.mailbox.ran()
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -126,7 +137,10 @@ class ModelRunner:
         pre = self._prefill(prefills, variant.logprobs) if prefills else None
         num_decode = delta.num_rows if delta is not None else self.num_rows
         self.num_rows = num_decode
+        mailbox_slot = None
         if num_decode:
+            if self.mailbox is not None:
+                mailbox_slot = self.mailbox.next_slot()
             if self.timeline is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
@@ -138,7 +152,10 @@ class ModelRunner:
                 self.iterate(bucket, variant)
             if self.timeline is not None:
                 end.record()
-        return self._copy_out(pre, [p.samples for p in prefills], num_decode, variant.logprobs)
+        launched = self._copy_out(pre, [p.samples for p in prefills], num_decode,
+                                  variant.logprobs)
+        launched.mailbox_slot = mailbox_slot
+        return launched
 
     def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
         bs = self.block_size
@@ -195,7 +212,7 @@ class ModelRunner:
         st, r = self.state, self.max_rows + 1
         nb = self.device.type == "cuda"
         # (host, decode rows' source, prefill rows' source): tokens and counts in one copy
-        pairs = [(slot.packed, st.out_packed, None),
+        pairs = [(slot.packed, None if self.mailbox else st.out_packed, None),
                  (slot.tokens, None, pre.tokens if pre else None)]
         if with_logprobs:
             pairs += [(slot.logprob, st.out_logprob, pre.logprob if pre else None),
@@ -229,8 +246,9 @@ class ModelRunner:
             self.wait_seconds += time.perf_counter() - t0
         r = self.max_rows + 1
 
-        def rows(start: int, n: int, counts: list[int], wants: list) -> list[Emitted]:
-            toks = slot.tokens[start:start + n].tolist()
+        def rows(tokens: torch.Tensor, start: int, n: int, counts: list[int],
+                 wants: list) -> list[Emitted]:
+            toks = tokens[start:start + n].tolist()
             if not launched.with_logprobs or not any(w is not None for w in wants):
                 return [[(t, None) for t in toks[i][:c]] for i, c in enumerate(counts)]
             width = max(w for w in wants if w is not None)
@@ -247,5 +265,9 @@ class ModelRunner:
             full = slot.top_ids.shape[-1] if launched.with_logprobs else None
             top_n = ([full] * len(counts), [full] * n_dec)
         pre_n, dec_n = top_n
-        return StepTokens(prefill=rows(r, len(counts), counts, pre_n),
-                          decode=rows(0, n_dec, slot.count[:n_dec].tolist(), dec_n))
+        dec_tokens, dec_count = slot.tokens, slot.count
+        if launched.mailbox_slot is not None:
+            packed = self.mailbox.ring[launched.mailbox_slot]
+            dec_tokens, dec_count = packed[:, :-1], packed[:, -1]
+        return StepTokens(prefill=rows(slot.tokens, r, len(counts), counts, pre_n),
+                          decode=rows(dec_tokens, 0, n_dec, dec_count[:n_dec].tolist(), dec_n))

@@ -46,6 +46,28 @@ def test_async_graphs_equal_sync(dtype, projections):
     assert async_g.pool.num_free == async_g.pool.num_blocks
 
 
+@pytest.mark.parametrize("spec", [False, True])
+def test_results_mailbox_equals_the_d2h_copy(monkeypatch, spec):
+    """Decode tokens stored by the GPU into pinned host memory (ResultMailbox, the default)
+    equal those of the D2H copy it replaced, async with graphs (a self-draft: several tokens a
+    row); the host's count of iterations equals the device counter that picks the slot."""
+    from graphexec import SpeculativeConfig
+    from graphexec import runner as runner_mod
+    reqs = _mixed_requests(24, seed=5)
+    opts = dict(cuda_graphs=True, async_scheduling=True)
+    if spec:
+        opts["speculative"] = SpeculativeConfig("self:1", 2)
+    engine = _engine(**opts)
+    mailbox = engine.runner.mailbox
+    assert mailbox is not None
+    zero_copy = run_engine(engine, reqs)
+    assert int(mailbox.counter) == mailbox.launched > 0
+    monkeypatch.setattr(runner_mod, "ZERO_COPY_RESULTS", False)
+    engine = _engine(**opts)
+    assert engine.runner.mailbox is None
+    _same(run_engine(engine, reqs), zero_copy)
+
+
 def test_steady_state_decode_has_no_hidden_sync():
     engine = _engine(cuda_graphs=True, async_scheduling=True)
     p = SamplingParams(max_tokens=200, temperature=0.7, top_p=0.9, seed=1, ignore_eos=True)

@@ -107,6 +107,63 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
                 kernels=[dict(name=n[:90], calls=c, us=round(t, 2)) for n, c, t in kernels])
 
 
+def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128) -> dict:
+    """The time between decode iterations in the real async loop (engine.step), where the
+    copies of results, deltas and the graph launch sit: per-gap statistics from the runner's
+    CUDA events, then one profiled stretch that names what the GPU ran inside the gaps."""
+    llm = LLM(model, max_batch=batch, max_model_len=prompt_len + 2 * steps + 64,
+              buckets=[batch], num_kv_blocks=batch * (prompt_len + 2 * steps + 64) // 16 + 8)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=2 * steps + 16, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", list(range(3, 3 + prompt_len)), params)
+    for _ in range(4):
+        engine.step()
+    runner.timeline = []
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    tl, runner.timeline = runner.timeline[1:-1], None
+    busy = sorted(s.elapsed_time(e) * 1e3 for s, e, _ in tl)
+    gaps = sorted(tl[i][1].elapsed_time(tl[i + 1][0]) * 1e3 for i in range(len(tl) - 1))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps // 2):
+            engine.step()
+        torch.cuda.synchronize()
+    ops = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                  if ev.device_type == torch.autograd.DeviceType.CUDA), key=lambda x: x[0])
+    non_kernel: dict[str, list] = defaultdict(lambda: [0, 0.0])  # copies and sets: calls, us
+    idle: dict[str, list] = defaultdict(lambda: [0, 0.0])  # "before -> after": count, us
+    for (s0, e0, n0), (s1, _, n1) in zip(ops, ops[1:]):
+        if s1 - e0 > 1.0:
+            key = f"{n0[:40]} -> {n1[:40]}"
+            idle[key][0] += 1
+            idle[key][1] += s1 - e0
+    for s, e, n in ops:
+        if "emcpy" in n or "emset" in n:
+            non_kernel[n[:60]][0] += 1
+            non_kernel[n[:60]][1] += e - s
+    n_prof = steps // 2
+    while engine.has_unfinished():
+        for rid in list(engine.requests):
+            if not engine.requests[rid].finished:
+                engine.abort(rid)
+        engine.step()
+    llm.close()
+
+    def stats(xs: list[float]) -> dict:
+        return dict(mean=sum(xs) / len(xs), median=xs[len(xs) // 2], p90=xs[int(len(xs) * 0.9)],
+                    max=xs[-1])
+
+    return dict(model=model, batch=batch, steps=len(tl), busy_us=stats(busy), gap_us=stats(gaps),
+                profiled_steps=n_prof,
+                idle_per_step=sorted(((k, c / n_prof, t / n_prof) for k, (c, t) in idle.items()),
+                                     key=lambda x: -x[2])[:20],
+                copies_per_step=sorted(((k, c / n_prof, t / n_prof)
+                                        for k, (c, t) in non_kernel.items()),
+                                       key=lambda x: -x[2]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-1b")
@@ -117,8 +174,17 @@ def main() -> None:
                     help="draft of a speculative engine (e.g. self:4): profile its iteration")
     ap.add_argument("--spec-k", type=int, default=4)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--engine-gaps", type=int, default=0, metavar="STEPS",
+                    help="instead: time the gaps between iterations of the async loop")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.engine_gaps:
+        for b in args.batch:
+            res = engine_gaps(args.model, b, args.engine_gaps)
+            with open(os.path.join(args.out, f"gaps_{args.model}_b{b}.json"), "w") as f:
+                json.dump(res, f, indent=1)
+            print(json.dumps(res, indent=1))
+        return
     for b, proj in itertools.product(args.batch, args.projections):
         res = profile_step(args.model, b, args.replays, projections=proj, spec=args.spec,
                            spec_k=args.spec_k)
