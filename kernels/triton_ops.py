@@ -139,6 +139,13 @@ def auto_ops(max_rows: int) -> Ops:
 FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 
 
+# The LM head of a 33-64-row batch on the tensor-core Triton kernel (after the norm kernel, as a
+# PDL dependent, its first weight tiles warmed in L2 by the last down projection) instead of
+# cuBLAS: llama-1b batch 64 1.3291 ms a step against 1.3426 / 1.3461 (H100, decode_variants,
+# 2026-11-24, stop 19 call 2); alone (tune_fused --wide) 194.2 us against cuBLAS's 195.4.
+FUSED_LM_HEAD = True
+
+
 # o and down begin the norm after them in their epilogue (linear_fused_triton.Prenormed), and the
 # projection after the norm finishes it, where both run here: no norm kernel between them.
 PRENORM = True
@@ -172,7 +179,11 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
 
     def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
         if weight.shape[0] >= WIDE_WEIGHT_ROWS:  # the LM head
-            return base.norm_linear(_plain(x), residual, norm_weight, eps, weight, bias)
+            if not (FUSED_LM_HEAD and fused(x)):
+                return base.norm_linear(_plain(x), residual, norm_weight, eps, weight, bias)
+            normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
+            config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "lm_head")
+            return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows), summed
         triton_qkv = fused(x) and weight.numel() <= FUSED_QKV_TRITON_MAX_ELEMENTS
         last_qkv_triton[0] = triton_qkv
         if triton_qkv and _prenormed_by(x, norm_weight):

@@ -252,6 +252,38 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
 
 @kernel_test
 @pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="an LM head has >= 65536 rows: too slow interpreted")
+@pytest.mark.parametrize("m", [16, 33, 64])
+def test_lm_head_of_fused_rows_on_triton(K, m):
+    """The LM head (a weight of WIDE_WEIGHT_ROWS+ rows) of a 33-64-row batch: the norm, then
+    the tensor-core Triton kernel with its lm_head tile (FUSED_LM_HEAD); other row counts as
+    the base op set. Both against PyTorch's norm and projection."""
+    from graphexec.kernels import triton_ops
+    from graphexec.kernels.linear import norm_linear_ref
+
+    ops, lt, lf = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt, K.lf
+    h, vocab = 256, triton_ops.WIDE_WEIGHT_ROWS + 1000  # ragged: the last tile is masked
+    w = _randn((vocab, h), torch.bfloat16, 60, h ** -0.5)
+    nw = (1.0 + 0.2 * _randn((h,), torch.float32, 61)).to(torch.bfloat16)
+    x, res = _randn((m, h), torch.bfloat16, 62), _randn((m, h), torch.bfloat16, 63)
+    logits, summed = ops.norm_linear(x, res, nw, 1e-6, w)
+    want, want_sum = norm_linear_ref(x, res, nw, 1e-6, w)  # torch on the same bf16 operands
+    _check(summed, want_sum, torch.bfloat16)
+    # Against the fp32 norm and projection of the (bf16-rounded) sum: at most as far off as
+    # torch's own bf16 computation, give or take (logits reach several units: 1 ulp is 0.03).
+    exact = norm_linear_ref(want_sum.float(), None, nw.float(), 1e-6, w.float())[0]
+    ours_err = (logits.float() - exact).abs().max().item()
+    torch_err = (want.float() - exact).abs().max().item()
+    assert logits.shape == want.shape and logits.dtype == want.dtype
+    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
+    normed = lt._norm(x, res, nw, 1e-6)[0]
+    if triton_ops.FUSED_MIN_ROWS <= m <= triton_ops.FUSED_MAX_ROWS and triton_ops.FUSED_LM_HEAD:
+        cfg = lf.pick_fused_config(m, vocab, h, "lm_head")
+        assert torch.equal(logits, lt.linear(normed, w, config=cfg))
+
+
+@kernel_test
+@pytest.mark.gpu
 def test_decode_step_on_fused_ops(K, hf_dirs_moderate):
     """A decode step of 33 rows (inside the fused range: the fused rope + attention prefetching
     behind the Triton qkv, with four warps; o, gate_up and down with their epilogues) after

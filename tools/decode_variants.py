@@ -61,6 +61,13 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
               decode attention with 2 / 3 context splits per row at every batch size
   no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
               norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
+  lmhead-cublas64
+              the LM head of 33-64-row batches on cuBLAS after the norm kernel (shipped: the
+              tensor-core Triton kernel, triton_ops.FUSED_LM_HEAD; --fused-config lm_head=...
+              picks its tile)
+  d2h-copy    decode tokens reach the host through a D2H copy after each replay, not through
+              the pinned mailbox the iteration's last kernel writes (runner.ZERO_COPY_RESULTS)
+  stop18      d2h-copy and lmhead-cublas64 together: the step as stop 18 shipped it
   no-l2-prefetch
               the fused projections do not warm L2 with the next projection's weight
               (--l2 sets how much they do, by kind)
@@ -263,6 +270,16 @@ def _lm_head_cublas() -> None:
     triton_ops.WIDE_MAX_ROWS = triton_ops.AUTO_MAX_ROWS
 
 
+def _lm_head_cublas64() -> None:
+    from graphexec.kernels import triton_ops
+    triton_ops.FUSED_LM_HEAD = False
+
+
+def _d2h_copy() -> None:
+    from graphexec import runner
+    runner.ZERO_COPY_RESULTS = False
+
+
 def _cublaslt() -> None:
     import torch
     torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -314,7 +331,8 @@ STOP14_VARIANTS = {"cublaslt": _cublaslt,
                    "small-o-lmhead-qkv-down": partial(_small_rows_triton,
                                                       "o+lm_head+qkv+down"),
                    "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
-                   "no-l2-prefetch": _no_l2_prefetch}
+                   "no-l2-prefetch": _no_l2_prefetch, "lmhead-cublas64": _lm_head_cublas64,
+                   "d2h-copy": _d2h_copy}
 
 
 def _auto_rows(max_rows: int) -> None:
@@ -360,7 +378,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("variant",
                     choices=list(VARIANTS) + list(ATTENTION_VARIANTS) + list(STOP14_VARIANTS)
-                    + ["fused", "unfused"])
+                    + ["fused", "unfused", "stop18"])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
@@ -411,6 +429,9 @@ def main() -> None:
         ATTENTION_VARIANTS[args.variant]()
     elif args.variant in STOP14_VARIANTS:
         STOP14_VARIANTS[args.variant]()
+    elif args.variant == "stop18":
+        _d2h_copy()
+        _lm_head_cublas64()
     elif args.variant in OP_SET_VARIANTS:
         VARIANTS[args.variant]()
     elif VARIANTS[args.variant] is not None:

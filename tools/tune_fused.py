@@ -51,8 +51,8 @@ def candidates(m: int, kind: str, wide: bool = False) -> list[lt.LinearConfig]:
             continue  # two accumulators: wide tiles spill, narrow ones did not pay (call 1)
         if warps == 8 and bn < 128 and kind != "silu" or wide and split > 1 and bn < 32:
             continue
-        if kind == "lm_head" and (bn < 64 or split > 1):
-            continue  # 2004 programs at 64 columns already
+        if kind == "lm_head" and (bn < 32 or split > 1):
+            continue  # 4008 programs at 32 columns already
         out.append(lt.LinearConfig(block_m, bn, bk, split, num_warps=warps, num_stages=stages))
     return out
 
