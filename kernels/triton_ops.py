@@ -141,8 +141,10 @@ FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 
 # The LM head of a 33-64-row batch on the tensor-core Triton kernel (after the norm kernel, as a
 # PDL dependent, its first weight tiles warmed in L2 by the last down projection) instead of
-# cuBLAS: llama-1b batch 64 1.3291 ms a step against 1.3426 / 1.3461 (H100, decode_variants,
-# 2026-11-24, stop 19 call 2); alone (tune_fused --wide) 194.2 us against cuBLAS's 195.4.
+# cuBLAS (H100, decode_variants, 2026-11-24, stop 19): llama-1b batch 64 1.3291 ms a step
+# against 1.3426 / 1.3461 in one call, level within noise in another (1.3491-1.3571 against
+# 1.3409-1.3509); batch 48 1.3547 against 1.3658; llama-8b batch 64 6.999 against 7.102. Alone
+# (tune_fused --wide, 64 rows) 194.2 us against cuBLAS's 195.4.
 FUSED_LM_HEAD = True
 
 
