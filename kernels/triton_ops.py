@@ -144,7 +144,9 @@ FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 # cuBLAS (H100, decode_variants, 2026-11-24, stop 19): llama-1b batch 64 1.3291 ms a step
 # against 1.3426 / 1.3461 in one call, level within noise in another (1.3491-1.3571 against
 # 1.3409-1.3509); batch 48 1.3547 against 1.3658; llama-8b batch 64 6.999 against 7.102. Alone
-# (tune_fused --wide, 64 rows) 194.2 us against cuBLAS's 195.4.
+# (tune_fused --wide, 64 rows) 194.2 us against cuBLAS's 195.4 at 64 x 64 tiles, 191.9 at the
+# shipped 128 x 128 x 3 stages, which was ahead of 64 x 64 in GPU busy in three of three pairs
+# of llama-1b batch-64 steps (1.3342 / 1.3358 / 1.3235 against 1.347 / 1.3418 / 1.3312 ms).
 FUSED_LM_HEAD = True
 
 
