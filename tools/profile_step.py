@@ -40,6 +40,17 @@ def _kernel_times(fn, reps: int) -> dict[str, list]:
     return per_name
 
 
+def _close(llm) -> None:
+    """Aborts what still runs, drains the steps in flight, closes the engine."""
+    engine = llm.engine
+    while engine.has_unfinished():
+        for rid in list(engine.requests):
+            if not engine.requests[rid].finished:
+                engine.abort(rid)
+        engine.step()
+    llm.close()
+
+
 def _launch_host_us(replay, reps: int) -> list[float]:
     """Host time of each replay call while the previous replay still runs, as in the async
     loop (launch n, then wait for n - 1). A launch that takes about a step blocked on the GPU."""
@@ -93,12 +104,7 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
                      key=lambda x: -x[2])
     busy = sum(t for _, _, t in kernels)
     launches = sum(c for _, c, _ in kernels)
-    while engine.has_unfinished():  # leave the engine clean
-        for rid in list(engine.requests):
-            if not engine.requests[rid].finished:
-                engine.abort(rid)
-        engine.step()
-    llm.close()
+    _close(llm)
     return dict(model=model, batch=batch, spec=spec, spec_k=spec_k if spec else None,
                 kernels_from=source, replay_wall_us=wall_us, kernel_busy_us=busy,
                 gap_us=wall_us - busy, kernels_per_step=launches,
@@ -144,12 +150,7 @@ def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128) -> di
             non_kernel[n[:60]][0] += 1
             non_kernel[n[:60]][1] += e - s
     n_prof = steps // 2
-    while engine.has_unfinished():
-        for rid in list(engine.requests):
-            if not engine.requests[rid].finished:
-                engine.abort(rid)
-        engine.step()
-    llm.close()
+    _close(llm)
 
     def stats(xs: list[float]) -> dict:
         return dict(mean=sum(xs) / len(xs), median=xs[len(xs) // 2], p90=xs[int(len(xs) * 0.9)],
