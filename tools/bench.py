@@ -1,5 +1,8 @@
 """Benchmarks. `python tools/bench.py decode|kernels|spec|all [--out DIR]`.
 
+serve: a serving benchmark (offline, Poisson online, shared-prefix workloads; TTFT, ITL,
+throughput), with its own options: `python tools/bench.py serve --help` (tools/bench_serve.py).
+
 decode: graphexec (async+graphs, sync+graphs, eager) against HuggingFace transformers (eager,
 static cache + torch.compile) with the same prompts and token counts end to end, plus
 graphexec's decode-only step time, GPU idle time between steps, host time per step and the
@@ -323,8 +326,13 @@ def _append_docs(path: str | None, title: str, md: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["serve"]:  # its own option set
+        import bench_serve
+
+        bench_serve.main(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["decode", "kernels", "spec", "all"])
+    ap.add_argument("what", choices=["decode", "kernels", "spec", "serve", "all"])
     ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=None,
                     help="decode: 1 16 64 256; spec: 1 16 64")

@@ -1,0 +1,485 @@
+"""Serving benchmark: `python tools/bench.py serve [options]` (or tools/bench_serve.py).
+
+Drives one Engine per mode (async, sync) through seeded workloads (tools/serve_workload.py:
+offline, online at each --rates, shared-prefix) from one thread: add every request whose arrival
+time has passed, then Engine.step(); when the engine is idle, sleep until the next arrival.
+Every request is greedy with ignore_eos, so output lengths are exact and both modes run the same
+token counts.
+
+Measured per run, from host timestamps taken when Engine.step returns:
+- TTFT: from the request's scheduled arrival (not from when the loop got to add it: a late loop
+  is latency the client sees) to the step that returned its first token. A follow-up turn of a
+  conversation arrives when the previous turn's last token came back.
+- ITL: the gap between consecutive steps that returned tokens for a request. A step that returns
+  n tokens for a request after its first (speculative decoding) adds n samples of gap / n. The
+  first step's extra tokens (a new row's prefill token and its first decode token come back
+  together) add none: TTFT covers them.
+- TPOT: per request, (finish - first token) / (output tokens - 1).
+- GPU decode busy (CUDA): the decode iterations' time between CUDA events (runner.timeline) over
+  wall time. A prefill runs just before its iteration's start event, so prefill time is not in
+  it: this is decode-busy, not all GPU work.
+- mean decode step time: wall / engine steps (prefill, host and idle time included).
+
+Writes serve_<model>.json (every number, the options, the command, commit, date, device),
+serve_<model>.md (the table, also printed), serve_<model>_steps.json (per-step host wall time,
+batch size, GPU time per iteration) and serve_<model>.png (latency against request rate for the
+online runs, and the step-time timeline of one run); the report is tools/serve_report.py.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import heapq
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graphexec import Engine, SamplingParams, SpeculativeConfig  # noqa: E402
+from serve_report import markdown, plot  # noqa: E402
+from serve_workload import (LengthDist, RequestSpec, Workload, WorkloadConfig,  # noqa: E402
+                            build_workloads)
+
+KINDS = ("offline", "online", "shared-prefix")
+MODES = {"async": True, "sync": False}
+# stats_summary() keys that count from the engine's start: a run reports its own increase.
+CUMULATIVE = ("steps", "tokens", "chain_breaks", "idle_drains", "pauses", "evictions",
+              "admitted")
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    arrival: float  # s since the run started
+    prompt_len: int
+    asked: int
+    first_token: float | None = None
+    finish: float | None = None
+    tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    _last: float = 0.0
+
+    def on_tokens(self, t: float, n: int) -> None:
+        if n == 0:
+            return
+        if self.first_token is None:
+            self.first_token = t
+        else:
+            self.itl += [(t - self._last) / n] * n
+        self._last = t
+        self.tokens += n
+
+
+@dataclass
+class StepSample:
+    t: float  # when Engine.step returned, s since the run started
+    wall: float  # s inside Engine.step
+    tokens: int  # new tokens it returned
+    batch: float | None  # rows launched (engine.stats), when readable
+
+
+@dataclass
+class RunTrace:
+    requests: dict[str, RequestTrace]
+    steps: list[StepSample]
+    wall: float
+    drafted: int = 0
+    accepted: int = 0
+
+
+def _batch_sum(engine: Engine) -> int | None:
+    stats = getattr(engine, "stats", None)
+    return getattr(stats, "batch_size_sum", None)
+
+
+def drive(engine: Engine, workload: Workload) -> RunTrace:
+    """Runs one workload to completion; see the module docstring for the loop."""
+    followers = {s.after: s for s in workload.requests if s.after is not None}
+    due = [(s.arrival_s, i, s) for i, s in enumerate(workload.requests) if s.after is None]
+    heapq.heapify(due)
+    seq = len(workload.requests)
+    prompts: dict[str, list[int]] = {}  # whole prompts of turns a follow-up will extend
+    traces: dict[str, RequestTrace] = {}
+    steps: list[StepSample] = []
+    drafted = accepted = 0
+    t0 = time.perf_counter()
+    while due or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while due and due[0][0] <= now:
+            arrival, _, spec = heapq.heappop(due)
+            prompt = _submit(engine, spec, prompts)
+            if spec.request_id in followers:
+                prompts[spec.request_id] = prompt
+            traces[spec.request_id] = RequestTrace(spec.request_id, arrival, len(prompt),
+                                                   spec.output_len)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, due[0][0] - (time.perf_counter() - t0)))
+            continue
+        before, s = _batch_sum(engine), time.perf_counter()
+        outs = engine.step()
+        e = time.perf_counter()
+        after = _batch_sum(engine)
+        t = e - t0
+        new = 0
+        for out in outs:
+            tr = traces[out.request_id]
+            tr.on_tokens(t, len(out.new_token_ids))
+            new += len(out.new_token_ids)
+            if not out.finished:
+                continue
+            tr.finish = t
+            drafted += out.num_drafted_tokens
+            accepted += out.num_accepted_tokens
+            nxt = followers.get(out.request_id)
+            if nxt is not None:
+                prompts[out.request_id] = prompts[out.request_id] + out.token_ids
+                heapq.heappush(due, (t, seq, nxt))
+                seq += 1
+        steps.append(StepSample(t, e - s, new, None if before is None else after - before))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return RunTrace(traces, steps, time.perf_counter() - t0, drafted, accepted)
+
+
+def _submit(engine: Engine, spec: RequestSpec, prompts: dict[str, list[int]]) -> list[int]:
+    prompt = spec.prompt_ids
+    if spec.after is not None:
+        prompt = prompts.pop(spec.after) + prompt
+    params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+    engine.add_request(spec.request_id, prompt, params)
+    return prompt
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+@dataclass
+class Percentiles:
+    """Linear interpolation between closest ranks (numpy's default); None with no samples."""
+
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+    mean: float | None
+
+    @classmethod
+    def of(cls, values, scale: float = 1.0) -> "Percentiles":
+        if len(values) == 0:
+            return cls(None, None, None, None, None)
+        a = np.asarray(values, dtype=np.float64) * scale
+        p50, p90, p99 = np.percentile(a, [50, 90, 99])
+        return cls(float(p50), float(p90), float(p99), float(a.max()), float(a.mean()))
+
+
+@dataclass
+class RunResult:
+    label: str
+    kind: str
+    rate: float | None
+    mode: str
+    num_requests: int
+    finished: int
+    wrong_length: int  # finished requests whose output length differs from the asked one
+    wall_s: float
+    arrival_span_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tok_s: float
+    total_tok_s: float
+    ttft_ms: Percentiles
+    itl_ms: Percentiles
+    tpot_ms: Percentiles
+    latency_s: Percentiles
+    steps: int
+    mean_batch: float | None
+    mean_step_ms: float
+    gpu_decode_busy_frac: float | None
+    gpu_iterations: int | None
+    spec_acceptance: float | None
+    triton_compiles_in_run: int
+    engine: dict
+
+
+def summarize(workload: Workload, mode: str, trace: RunTrace, stats_before: dict,
+              stats_after: dict, gpu_ms: list[float] | None, compiles: int) -> RunResult:
+    reqs = list(trace.requests.values())
+    done = [r for r in reqs if r.finish is not None]
+    out_tokens = sum(r.tokens for r in reqs)
+    prompt_tokens = sum(r.prompt_len for r in reqs)
+    engine = engine_counters(stats_before, stats_after)
+    steps = engine.get("steps", len(trace.steps))
+    wall = trace.wall
+    return RunResult(
+        label=f"{workload.label} {mode}", kind=workload.kind, rate=workload.rate, mode=mode,
+        num_requests=len(workload.requests), finished=len(done),
+        wrong_length=sum(r.tokens != r.asked for r in done), wall_s=wall,
+        arrival_span_s=max((r.arrival for r in reqs), default=0.0),
+        prompt_tokens=prompt_tokens, output_tokens=out_tokens,
+        output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + prompt_tokens) / wall,
+        ttft_ms=Percentiles.of([r.first_token - r.arrival for r in done], 1e3),
+        itl_ms=Percentiles.of([g for r in reqs for g in r.itl], 1e3),
+        tpot_ms=Percentiles.of([(r.finish - r.first_token) / (r.tokens - 1) for r in done
+                                if r.tokens > 1], 1e3),
+        latency_s=Percentiles.of([r.finish - r.arrival for r in done]),
+        steps=steps, mean_batch=engine.get("mean_batch"),
+        mean_step_ms=wall / max(steps, 1) * 1e3,
+        gpu_decode_busy_frac=None if gpu_ms is None else sum(gpu_ms) / 1e3 / wall,
+        gpu_iterations=None if gpu_ms is None else len(gpu_ms),
+        spec_acceptance=trace.accepted / trace.drafted if trace.drafted else None,
+        triton_compiles_in_run=compiles, engine=engine)
+
+
+def engine_counters(before: dict, after: dict) -> dict:
+    """The run's share of stats_summary(): increases of the cumulative counters, the batch mean
+    over the run's steps, and the rest (queue lengths, KV use) as of the run's end."""
+    out = {k: v for k, v in after.items() if isinstance(v, (int, float))}
+    for k in CUMULATIVE:
+        if k in before and k in after:
+            out[k] = after[k] - before[k]
+    if {"steps", "mean_batch"} <= before.keys() & after.keys():
+        rows = after["mean_batch"] * after["steps"] - before["mean_batch"] * before["steps"]
+        out["mean_batch"] = rows / max(out["steps"], 1)
+    return out
+
+
+# -- engines ------------------------------------------------------------------------------------
+
+def engine_options(args: argparse.Namespace, mode: str) -> dict:
+    opts = dict(parse_engine_option(o) for o in args.engine_option)
+    opts["async_scheduling"] = MODES[mode]
+    if args.max_batch is not None:
+        opts["max_batch"] = args.max_batch
+    if args.num_kv_blocks is not None:
+        opts["num_kv_blocks"] = args.num_kv_blocks
+    if args.speculative is not None:
+        opts["speculative"] = parse_speculative(args.speculative)
+    if args.prefix_caching is not None:  # only when asked: the option may not exist yet
+        opts["enable_prefix_caching"] = args.prefix_caching == "on"
+    return opts
+
+
+def parse_engine_option(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise ValueError(f"--engine-option {text!r}: expected key=value")
+    words = {"true": True, "false": False, "none": None}
+    if raw.lower() in words:
+        return key, words[raw.lower()]
+    try:
+        return key, ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return key, raw  # a plain string, e.g. dtype=bf16
+
+
+def parse_speculative(text: str) -> SpeculativeConfig:
+    """"self:N:K" (or "<draft>:K"): the draft, then K tokens drafted a step."""
+    draft, sep, k = text.rpartition(":")
+    # "self:4" alone would read as draft "self" with K = 4: ask for both
+    if not sep or not draft or draft == "self" or not k.isdigit():
+        raise ValueError(f"--speculative {text!r}: expected DRAFT:K, e.g. self:4:4")
+    return SpeculativeConfig(draft=draft, num_tokens=int(k))
+
+
+def build_engine(model: str, options: dict) -> Engine:
+    try:
+        return Engine(model, **options)
+    except TypeError as e:
+        if "unexpected keyword" not in str(e):
+            raise
+        raise SystemExit(f"Engine rejected an option ({e}); this graphexec does not have it. "
+                         f"Options passed: {sorted(options)}") from e
+
+
+def warm_up(engine: Engine, num: int) -> None:
+    """Short requests of a few prompt lengths, together then alone, so JIT compiles and first
+    launches happen before any timed run (graphs are captured when the engine is built)."""
+    vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
+    # a small KV cache (--num-kv-blocks) must still hold each warm-up request alone
+    kv_tokens = engine.stats_summary()["kv_total"] * engine.config.block_size
+    longest = max(16, min(max_len, kv_tokens // 2) - 16)
+    rng = np.random.default_rng(12345)
+    lengths = [min(n, longest) for n in (16, 50, 200, 700, 33, 120, 400, 1500)]
+    batches = [[lengths[i % len(lengths)] for i in range(num)], [lengths[0]]]
+    for b, batch in enumerate(batches):
+        for i, n in enumerate(batch):
+            ids = rng.integers(3, vocab, size=n).tolist()
+            engine.add_request(f"warmup-{b}-{i}", ids,
+                               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+
+
+def triton_cache_entries() -> int:
+    """Files in Triton's on-disk cache: growth during a timed run means a JIT compile in it."""
+    root = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    return sum(len(f) for _, _, f in os.walk(root)) if os.path.isdir(root) else 0
+
+
+def run_one(engine: Engine, workload: Workload, mode: str) -> tuple[RunResult, dict]:
+    """Times one workload; returns its result and its per-step series."""
+    cuda = engine.config.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        engine.runner.timeline = []
+    compiled, before = triton_cache_entries(), engine.stats_summary()
+    trace = drive(engine, workload)
+    after = engine.stats_summary()
+    gpu_ms, prefill = None, None
+    if cuda:
+        timeline, engine.runner.timeline = engine.runner.timeline, None
+        gpu_ms = [s.elapsed_time(e) for s, e, _ in timeline]
+        prefill = [bool(p) for _, _, p in timeline]
+    res = summarize(workload, mode, trace, before, after, gpu_ms,
+                    triton_cache_entries() - compiled)
+    series = dict(t_s=[s.t for s in trace.steps], step_ms=[s.wall * 1e3 for s in trace.steps],
+                  tokens=[s.tokens for s in trace.steps], batch=[s.batch for s in trace.steps],
+                  gpu_iter_ms=gpu_ms, gpu_iter_prefill=prefill)
+    return res, series
+
+
+def run_mode(args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
+             ) -> tuple[list[RunResult], dict, dict]:
+    options = engine_options(args, mode)
+    engine = build_engine(args.model, options)
+    try:
+        warm_up(engine, args.warmup)
+        workloads = build_workloads(cfg, args.kinds, args.rates, engine.model_config.vocab_size,
+                                    engine.max_model_len)
+        results, series = [], {}
+        for wl in workloads:
+            res, steps = run_one(engine, wl, mode)
+            print(json.dumps(_row_brief(res)), flush=True)
+            results.append(res)
+            series[res.label] = steps
+        info = dict(max_batch=engine.config.max_batch, max_model_len=engine.max_model_len,
+                    kv_blocks=engine.stats_summary().get("kv_total"),
+                    options={k: repr(v) if k == "speculative" else v for k, v in options.items()})
+        return results, series, info
+    finally:
+        engine.close()
+
+
+def _row_brief(r: RunResult) -> dict:
+    return dict(run=r.label, wall_s=round(r.wall_s, 3), out_tok_s=round(r.output_tok_s, 1),
+                ttft_p50_ms=r.ttft_ms.p50, itl_p50_ms=r.itl_ms.p50, steps=r.steps)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def metadata(args: argparse.Namespace, argv: list[str]) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cuda = torch.cuda.is_available()
+    return dict(command="python tools/bench.py serve " + " ".join(argv),
+                git_commit=_git(root, "rev-parse", "--short", "HEAD"),
+                git_dirty=bool(_git(root, "status", "--porcelain", "--untracked-files=no")),
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()})",
+                torch=torch.__version__, python=platform.python_version(), model=args.model,
+                args=vars(args))
+
+
+def _git(root: str, *cmd: str) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="tools/bench.py serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-1b", help="preset name or model directory")
+    ap.add_argument("--num-requests", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", nargs="+", default=["offline", "online"], choices=KINDS)
+    ap.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 32.0],
+                    help="online: requests/s, one run each")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="every prompt this long (offline/online) instead of lognormal")
+    ap.add_argument("--prompt-median", type=float, default=300)
+    ap.add_argument("--output-median", type=float, default=120)
+    ap.add_argument("--system-prompt-len", type=int, default=2000, help="shared-prefix")
+    ap.add_argument("--turns", type=int, default=4, help="shared-prefix: turns a conversation")
+    ap.add_argument("--max-batch", type=int, default=None)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--speculative", default=None, help="DRAFT:K, e.g. self:4:4")
+    ap.add_argument("--prefix-caching", choices=["on", "off"], default=None,
+                    help="pass enable_prefix_caching to Engine (only when given)")
+    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed to Engine, repeatable (values parsed as Python literals)")
+    ap.add_argument("--warmup", type=int, default=8, help="warm-up requests per engine")
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--docs", default=None, help="also append the tables to this file")
+    return ap.parse_args(argv)
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    base = WorkloadConfig()
+    return WorkloadConfig(
+        num_requests=args.num_requests, seed=args.seed,
+        prompt=LengthDist(args.prompt_median, base.prompt.sigma, base.prompt.low,
+                          base.prompt.high),
+        output=LengthDist(args.output_median, base.output.sigma, base.output.low,
+                          base.output.high),
+        fixed_prompt_len=args.prompt_len, system_prompt_len=args.system_prompt_len,
+        turns=args.turns)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        cfg = workload_config(args)
+        for o in args.engine_option:
+            parse_engine_option(o)
+        if args.speculative is not None:
+            parse_speculative(args.speculative)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    os.makedirs(args.out, exist_ok=True)
+    meta = metadata(args, argv)
+    results, series, engines = [], {}, {}
+    for mode in args.modes:
+        res, steps, info = run_mode(args, mode, cfg)
+        results += res
+        series.update(steps)
+        engines[mode] = info
+    meta["engines"] = engines
+    meta["workload"] = asdict(cfg)  # the length distributions, clips and seed behind the runs
+    report = dict(meta=meta, runs=[asdict(r) for r in results])
+    return _write(args, report, results, series)
+
+
+def _write(args: argparse.Namespace, report: dict, results: list[RunResult],
+           series: dict) -> dict:
+    stem = os.path.join(args.out, "serve_" + os.path.basename(os.path.normpath(args.model)))
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(stem + "_steps.json", "w") as f:
+        json.dump(series, f)
+    md = markdown(results, report["meta"])
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    if args.docs is not None:
+        with open(args.docs, "a") as f:
+            f.write(f"\n### Serving: `tools/bench.py serve` ({args.model}), "
+                    f"{datetime.date.today().isoformat()}\n\n{md}\n")
+    plot(results, series, stem + ".png")
+    print(md)
+    return report
+
+
+if __name__ == "__main__":
+    main()
