@@ -2,7 +2,7 @@ PYTHON ?= python3
 # On a machine without CUDA, install the local CPU build of torch; never an unpinned torch.
 HAS_CUDA := $(shell $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && echo 1)
 
-.PHONY: install install-test demo test test-gpu fuzz bench capture
+.PHONY: install install-test demo test test-gpu test-gpu-sweep fuzz bench capture
 
 install:
 ifneq ($(HAS_CUDA),1)
@@ -30,9 +30,18 @@ test: install-test
 
 # On the GPU machine: its torch/triton/transformers are already there, and it has no network
 # for an isolated build environment (a fresh machine failed to fetch setuptools): its own.
+# With pytest-xdist (there on the device machine), test files run in 4 processes on the one GPU:
+# most of the suite's time is Triton compiling on the host.
+XDIST := $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
+
 test-gpu:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PYTHON) -m pytest -q -m gpu
+	$(PYTHON) -m pytest -q -m gpu $(XDIST)
+
+# Every shape of every kernel sweep (test-gpu runs the first two of each): about 20 minutes.
+test-gpu-sweep:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	GRAPHEXEC_GPU_SWEEP=1 $(PYTHON) -m pytest -q -m gpu $(XDIST)
 
 # The lifecycle state machines under fresh random seeds (CI runs them derandomized).
 fuzz: install-test

@@ -1,8 +1,10 @@
-"""One CUDA graph per (batch bucket, logprobs on/off), all in one memory pool.
+"""One CUDA graph per (batch bucket, variant), and one per (prefill token bucket, logprobs on/off),
+all in one memory pool.
 
-Each graph is the whole decode iteration (forward, sample, advance) over DecodeState's static
-buffers, so replaying it needs no host input: the host only changes the buffers (through a
-StepDelta) when the batch changes.
+Each decode graph is the whole decode iteration (forward, sample, advance) over DecodeState's
+static buffers, so replaying it needs no host input: the host only changes the buffers (through a
+StepDelta) when the batch changes. Each prefill graph is capture/prefill.py's prefill_step over a
+static metadata buffer that the host fills with one H2D copy before the replay.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .iteration import SampleOut
 from .state import Variant
 
 
@@ -29,8 +32,13 @@ class GraphSet:
     graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = field(default_factory=dict)
     reports: list[BucketReport] = field(default_factory=list)
     pool: object = None
-    # called after every replay: the runner's ResultMailbox counts the iterations that ran
+    # called after every decode replay: the runner's ResultMailbox counts the iterations
     after_replay: Callable[[], None] | None = None
+    # (token bucket, logprobs) -> (graph, its sample outputs); the token buckets, ascending
+    prefill: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
+        default_factory=dict)
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefill_reports: list[BucketReport] = field(default_factory=list)
 
     def has(self, bucket: int, variant: Variant) -> bool:
         return (bucket, variant) in self.graphs
@@ -40,31 +48,41 @@ class GraphSet:
         if self.after_replay is not None:
             self.after_replay()
 
+    def replay_prefill(self, tokens: int, with_logprobs: bool) -> SampleOut:
+        graph, out = self.prefill[(tokens, with_logprobs)]
+        graph.replay()
+        return out
+
     @classmethod
     def capture(cls, runner, buckets: list[int], variants: list[Variant],
-                progress: bool = True) -> "GraphSet":
-        """Captures every bucket, largest first so the smaller ones reuse its pool memory.
-        Must run while no request is in the batch: with num_rows == 0 every row is inert, so
-        warm-up and capture write only the scratch block and the output buffers."""
+                prefill_tokens: list[int] = (), progress: bool = True) -> "GraphSet":
+        """Captures every prefill and decode bucket, largest first so the smaller ones reuse
+        its pool memory. Must run while no request is in the batch: with num_rows == 0 every
+        row is inert, so warm-up and capture write only the scratch block, the inert row and
+        the output buffers."""
         if runner.num_rows != 0:
             raise RuntimeError("graphs must be captured on an empty batch")
         mailbox = getattr(runner, "mailbox", None)
         out = cls(pool=torch.cuda.graph_pool_handle(),
-                  after_replay=mailbox.ran if mailbox is not None else None)
-        todo = [(b, v) for b in sorted(buckets, reverse=True) for v in variants]
+                  after_replay=mailbox.ran if mailbox is not None else None,
+                  prefill_tokens=sorted(prefill_tokens))
+        with_lp = sorted({v.logprobs for v in variants})
+        todo = [(("prefill", t, lp), lambda t=t, lp=lp: runner.prefill_padding(t, lp))
+                for t in sorted(prefill_tokens, reverse=True) for lp in with_lp]
+        todo += [((b, v), lambda b=b, v=v: runner.iterate(b, v))
+                 for b in sorted(buckets, reverse=True) for v in variants]
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(todo), desc="capturing CUDA graphs", unit="graph", leave=False)
-        run = runner.iterate
         # Warm up once per shape on a side stream: lazy inits and Triton compiles must not
         # happen under capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for b, lp in todo:
-                run(b, lp)
+            for _, run in todo:
+                run()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()  # engine start, before capture; never on the decode path
         # Objects of an earlier engine collected mid-capture free pinned memory and events,
@@ -72,23 +90,29 @@ class GraphSet:
         gc.collect()
         gc.disable()
         try:
-            out._capture_all(todo, run, bar)
+            out._capture_all(todo, bar)
         finally:
             gc.enable()
         if bar is not None:
             bar.close()
         return out
 
-    def _capture_all(self, todo, run, bar) -> None:
-        for b, lp in todo:
+    def _capture_all(self, todo, bar) -> None:
+        for key, run in todo:
             before = torch.cuda.memory_reserved()
             t0 = time.perf_counter()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                run(b, lp)
+                result = run()
             torch.cuda.synchronize()  # capture time only (engine start): per-bucket ms is exact
-            self.graphs[(b, lp)] = g
-            self.reports.append(BucketReport(b, lp, (time.perf_counter() - t0) * 1e3,
-                                             (torch.cuda.memory_reserved() - before) / 2**20))
+            ms = (time.perf_counter() - t0) * 1e3
+            mib = (torch.cuda.memory_reserved() - before) / 2**20
+            if key[0] == "prefill":
+                _, tokens, lp = key
+                self.prefill[(tokens, lp)] = (g, result)
+                self.prefill_reports.append(BucketReport(tokens, Variant(lp), ms, mib))
+            else:
+                self.graphs[key] = g
+                self.reports.append(BucketReport(key[0], key[1], ms, mib))
             if bar is not None:
                 bar.update(1)

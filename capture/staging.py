@@ -45,6 +45,7 @@ class H2DRing:
         self.stats = RingStats()
         self._slots = [self._new_slot(capacity) for _ in range(num_slots)]
         self._next = 0
+        self._staged: _Slot | None = None
 
     def _new_slot(self, capacity: int) -> _Slot:
         return _Slot(torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda),
@@ -55,6 +56,24 @@ class H2DRing:
         if not self.cuda:
             return (host_tensor(ints, torch.int64).to(self.device),
                     host_tensor(floats, torch.float32).to(self.device))
+        hi, hf = self._stage(ints, floats)
+        di = hi.to(self.device, non_blocking=True)
+        df = hf.to(self.device, non_blocking=True)
+        self._sent()
+        return di, df
+
+    def put_into(self, ints: list[int], dest: torch.Tensor) -> None:
+        """Enqueues the copy of `ints` into the start of the device tensor `dest` (a static
+        buffer that a captured graph reads)."""
+        if not self.cuda:
+            dest[:len(ints)].copy_(host_tensor(ints, torch.int64))
+            return
+        hi, _ = self._stage(ints, [])
+        dest[:len(ints)].copy_(hi, non_blocking=True)
+        self._sent()
+
+    def _stage(self, ints: list[int], floats: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes both lists into the next slot once its last copy is done."""
         i = self._next
         self._next = (i + 1) % self.num_slots
         slot = self._slots[i]
@@ -68,13 +87,16 @@ class H2DRing:
         hf = slot.floats[:len(floats)]
         hi.copy_(host_tensor(ints, torch.int64))
         hf.copy_(host_tensor(floats, torch.float32))
-        di = hi.to(self.device, non_blocking=True)
-        df = hf.to(self.device, non_blocking=True)
+        self._staged = slot
+        return hi, hf
+
+    def _sent(self) -> None:
+        """Records the event behind the copies just enqueued from the staged slot."""
+        slot = self._staged
         if slot.event is None:
             slot.event = torch.cuda.Event()
         slot.event.record()
         self.stats.copies += 1
-        return di, df
 
     def slot_buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pinned buffers of slot i (tests inspect and rewrite them)."""

@@ -32,7 +32,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; alternative to num_kv_blocks
     block_size: int = 16
     seed: int = 0
-    max_prefill_tokens: int = 8192
+    # Tokens one step runs at most: a decode token per row plus prompt chunks (the vLLM name).
+    # A longer prompt is prefilled over several steps while the batch decodes on; each step
+    # still takes at least 16 prompt tokens. The default is docs/benchmarks.md's pick.
+    max_num_batched_tokens: int = 1024
     buckets: list[int] | None = None
     async_scheduling: bool | None = None  # default: on
     cuda_graphs: bool | None = None  # default: on with CUDA
@@ -67,7 +70,7 @@ class EngineConfig:
             self.dtype = _DTYPES[self.dtype]
         elif self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype={self.dtype!r} must be bfloat16, float16 or float32")
-        for name in ("max_batch", "block_size", "max_prefill_tokens"):
+        for name in ("max_batch", "block_size", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .model import KVCache, LlamaModel, ModelConfig, load_weights, preset, random_weights
 from .outputs import RequestOutput
 from .request import Request, Status
+from .capture.prefill import token_buckets
 from .capture.state import Variant
 from .runner import Launched, ModelRunner
 from .sampling_params import MAX_SEED, SamplingParams
@@ -79,10 +80,12 @@ class Engine:
         if spec is not None:
             draft = build_draft(spec, self.model, self.kv, max_len, cfg.seed)
         k = spec.num_tokens if spec is not None else 0
+        # the largest prefill a step runs: the whole budget when no row decodes
         self.runner = ModelRunner(self.model, self.kv, cfg.max_batch, max_len, cfg.block_size,
-                                  scratch_block=num_blocks, draft=draft, num_spec_tokens=k)
+                                  scratch_block=num_blocks, draft=draft, num_spec_tokens=k,
+                                  max_prefill_tokens=cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(self.pool, cfg.block_size, cfg.max_batch, cfg.buckets,
-                                   cfg.max_prefill_tokens, spec_tokens=k)
+                                   cfg.max_num_batched_tokens, spec_tokens=k)
         if cfg.cuda_graphs:
             from .capture.graphs import GraphSet
 
@@ -90,7 +93,9 @@ class Engine:
             variants = [Variant(lp, f) for lp in with_lp for f in (False, True)]
             if k:  # the all-greedy speculative iteration
                 variants += [Variant(lp, False, sampled=False) for lp in with_lp]
-            self.runner.graphs = GraphSet.capture(self.runner, cfg.buckets, variants)
+            self.runner.graphs = GraphSet.capture(
+                self.runner, cfg.buckets, variants,
+                prefill_tokens=token_buckets(cfg.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[_InFlight] = deque()
         self.stats = EngineStats()
@@ -216,7 +221,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             raise ValueError(f"request_id={request_id!r} is not a running or waiting request")
-        if req.status in (Status.WAITING, Status.PAUSED):
+        if req.status in (Status.WAITING, Status.PAUSED, Status.PREFILLING):
             self.scheduler.remove_waiting(req)
         req.finish("abort")
         self.scheduler.release(req)  # a running row leaves the batch at the next plan
@@ -229,6 +234,8 @@ class Engine:
                     idle_drains=st.idle_drains,
                     mean_batch=st.batch_size_sum / max(st.steps, 1),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    prefilling=len(self.scheduler.prefilling),
+                    prefill_chunks=sc.prefill_chunks,
                     paused=len(self.scheduler.paused), kv_used=self.pool.num_used,
                     kv_total=self.pool.num_blocks, pauses=sc.pauses, evictions=sc.evictions,
                     admitted=sc.admitted)
@@ -251,6 +258,8 @@ class Engine:
         plan = self.scheduler.schedule(self._step_id)
         if not plan.empty:
             self._launch(plan)
+        elif plan.delta is not None:  # every row left: nothing runs, but the rows turn inert
+            self.runner.apply_delta(plan.delta)
         depth = 1 if self.config.async_scheduling and not plan.empty else 0
         if self.config.async_scheduling and plan.empty and self.in_flight:
             self.stats.idle_drains += 1
@@ -290,6 +299,7 @@ class Engine:
             req.in_flight += 1
             req.advance_bound += pre.samples
             req.advance_floor += pre.samples
+            req.last_launched_step = plan.step_id  # a prompt's blocks are written from here
         for req in plan.rows:
             req.in_flight += 1
             req.advance_bound += self.runner.k + 1
@@ -317,7 +327,7 @@ class Engine:
             if bound > 1:  # a speculative step: K drafted, count - 1 accepted
                 req.num_drafted += bound - 1
                 req.num_accepted += len(emitted) - 1
-            if req.finished:
+            if req.finished or not emitted:  # a prompt chunk that ends no prompt emits nothing
                 continue
             for token, logprob in emitted:
                 req.append(token, logprob)

@@ -10,6 +10,7 @@ from .sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"  # not in the batch: new, or evicted and waiting to recompute
+    PREFILLING = "prefilling"  # admitted, its prompt's KV being written chunk by chunk
     RUNNING = "running"  # owns a row of the decode state
     PAUSED = "paused"  # out of the batch under KV pressure, KV kept; resumes first
     FINISHED = "finished"
@@ -41,6 +42,10 @@ class Request:
     last_launched_step: int = -1
     new_tokens: list[int] = field(default_factory=list)  # added since the last output
     num_evictions: int = 0
+    # Set at admission: the tokens whose KV the prefill writes (prompt + output[:-1]), and how
+    # many of them the chunks launched so far cover.
+    prefill_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
     # output tokens at which it ends by length: max_tokens, or the context limit if sooner
     output_limit: int = field(init=False)
 

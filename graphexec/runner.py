@@ -7,35 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture.iteration import decode_iteration, sample_rows
+from .capture.iteration import SampleOut, decode_iteration
+from .capture.prefill import (MAX_PREFILL_SEQS, PrefillChunk, PrefillMeta, pack_prefill,
+                              prefill_step, token_buckets)
 from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing, ResultMailbox
 from .capture.state import DecodeState, StepDelta, Variant, pack_delta
-from .model import AttentionInputs, KVCache, LlamaModel
+from .model import KVCache, LlamaModel
 from .outputs import TokenLogprob
 
 Emitted = list[tuple[int, TokenLogprob | None]]  # the tokens one row produced in one step
-
-
-@dataclass
-class PrefillRow:
-    """A row whose KV is written by a prefill before this step's decode iteration.
-
-    A new request samples its first token from the prefill. A request evicted after producing
-    tokens does not sample: its KV is rebuilt for prompt + output[:-1] and it re-enters decode
-    from its last token, exactly where it left off. Sampling there instead would break the chain
-    of speculative iterations at a different place than an uninterrupted run (and in async mode
-    rows are evicted at other times than in sync mode), giving different sampled tokens."""
-
-    row: int
-    token_ids: list[int]  # the positions whose KV this prefill writes
-    blocks: list[int]
-    step: int  # index of the next output token of this request
-    resume_token: int | None = None  # set for an evicted request: its last token, next input
-
-    @property
-    def samples(self) -> int:
-        return int(self.resume_token is None)
 
 
 @dataclass
@@ -54,7 +35,7 @@ class Launched:
     """A step on the device whose results the host has not read yet."""
 
     slot: int
-    prefill_counts: list[int]  # tokens each prefill row sampled (0 for a resumed eviction)
+    prefill_counts: list[int]  # tokens each prefill chunk sampled (1 for a prompt's last)
     num_decode: int
     with_logprobs: bool
     mailbox_slot: int | None = None  # where the decode rows' tokens are (ResultMailbox)
@@ -62,7 +43,7 @@ class Launched:
 
 @dataclass
 class StepTokens:
-    prefill: list[Emitted]  # one per PrefillRow, in launch order
+    prefill: list[Emitted]  # one per PrefillChunk, in launch order
     decode: list[Emitted]  # one per row 0..num_decode-1
 
 
@@ -74,7 +55,7 @@ ZERO_COPY_RESULTS = True
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, max_rows: int, max_model_len: int,
                  block_size: int, scratch_block: int, draft: DraftModel | None = None,
-                 num_spec_tokens: int = 0, d2h_slots: int = 4):
+                 num_spec_tokens: int = 0, d2h_slots: int = 4, max_prefill_tokens: int = 0):
         self.model, self.kv = model, kv
         self.draft, self.k = draft, num_spec_tokens
         self.device = model.device
@@ -86,7 +67,17 @@ class ModelRunner:
         w = num_spec_tokens + 1
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
                                  self.device, tokens_per_step=w)
-        self.h2d = H2DRing(self.device)
+        # A step may stage two copies (its delta and its prefill): eight slots keep the one
+        # being rewritten two steps behind the step in flight.
+        self.h2d = H2DRing(self.device, num_slots=8)
+        self.scratch_block = scratch_block
+        # The static buffer captured prefill graphs read (capture/prefill.py); sized for the
+        # largest token bucket.
+        self.prefill_tokens = token_buckets(max_prefill_tokens) if max_prefill_tokens else []
+        self.prefill_buffer = torch.zeros(
+            PrefillMeta.size(max_prefill_tokens, MAX_PREFILL_SEQS, self.state.max_cols),
+            dtype=torch.int64, device=self.device
+        ) if self.device.type == "cuda" and max_prefill_tokens else None
         cuda = self.device.type == "cuda"
         n = self.state.out_top_ids.shape[-1]
         rows = 2 * (max_rows + 1)  # prefill results sit after the decode rows: one copy each
@@ -126,17 +117,14 @@ class ModelRunner:
 
     # -- launch -------------------------------------------------------------------------------
 
-    def launch(self, delta: StepDelta | None, prefills: list[PrefillRow], bucket: int,
+    def launch(self, delta: StepDelta | None, prefills: list[PrefillChunk], bucket: int,
                variant: Variant) -> Launched:
-        """Enqueues: delta, prefill of new rows, one decode iteration over `bucket` rows, and
+        """Enqueues: delta, the prefill chunks, one decode iteration over `bucket` rows, and
         the copy of the results to pinned host memory. Returns without waiting."""
         if delta is not None:
-            ints, floats = pack_delta(delta, self.max_rows)
-            d_ints, d_floats = self.h2d.put(ints, floats)
-            self.state.apply_delta(delta, d_ints, d_floats)
+            self.apply_delta(delta)
         pre = self._prefill(prefills, variant.logprobs) if prefills else None
-        num_decode = delta.num_rows if delta is not None else self.num_rows
-        self.num_rows = num_decode
+        num_decode = self.num_rows
         mailbox_slot = None
         if num_decode:
             if self.mailbox is not None:
@@ -157,46 +145,50 @@ class ModelRunner:
         launched.mailbox_slot = mailbox_slot
         return launched
 
-    def _prefill(self, prefills: list[PrefillRow], with_logprobs: bool):
-        bs = self.block_size
-        ids, pos, slots, cu, lens = [], [], [], [0], []
-        for p in prefills:
-            n = len(p.token_ids)
-            ids += p.token_ids
-            pos += range(n)
-            first = len(slots)
-            if len(p.blocks) * bs < n:  # the scheduler reserves them first: a bug if not
-                raise RuntimeError(f"row {p.row}: {len(p.blocks)} blocks for {n} tokens")
-            for block in p.blocks[:-(-n // bs)]:  # whole blocks, the last one trimmed below
-                slots += range(block * bs, block * bs + bs)
-            del slots[first + n:]
-            cu.append(cu[-1] + n)
-            lens.append(n)
-        rows = [p.row for p in prefills]
-        steps = [p.step for p in prefills]
-        samples = [p.samples for p in prefills]
-        resume = [p.resume_token or 0 for p in prefills]
-        t, k = len(ids), len(prefills)
-        d, _ = self.h2d.put(ids + pos + slots + cu + lens + rows + steps + samples + resume, [])
-        ids_t, pos_t, slots_t = d[:t], d[t:2 * t], d[2 * t:3 * t]
-        cu_t = d[3 * t:3 * t + k + 1]
-        o = 3 * t + k + 1
-        lens_t, rows_t, steps_t = d[o:o + k], d[o + k:o + 2 * k], d[o + 2 * k:o + 3 * k]
-        samples_t, resume_t = d[o + 3 * k:o + 4 * k], d[o + 4 * k:o + 5 * k]
+    def apply_delta(self, delta: StepDelta) -> None:
+        """Enqueues the batch change alone. Also for a step that runs nothing: rows that left
+        must turn inert on the device before any later bucket runs them again."""
+        ints, floats = pack_delta(delta, self.max_rows)
+        d_ints, d_floats = self.h2d.put(ints, floats)
+        self.state.apply_delta(delta, d_ints, d_floats)
+        self.num_rows = delta.num_rows
+
+    def _prefill(self, chunks: list[PrefillChunk], with_logprobs: bool) -> SampleOut:
+        """One prefill step over the chunks. On CUDA, padded to a token bucket over the static
+        buffer: a graph replay, or eagerly the very shapes the graph runs (so graphs and eager
+        agree bit for bit). On the CPU, eager at the exact sizes."""
+        num_tokens = sum(len(c.token_ids) for c in chunks)
         st = self.state
-        attn = AttentionInputs(slot_mapping=slots_t, block_tables=st.block_tables[rows_t],
-                               seq_lens=lens_t.to(torch.int32), cu_seqlens_q=cu_t.to(torch.int32))
-        hidden = self.model.forward(ids_t, pos_t, attn, self.kv)
-        if self.draft is not None and not self.draft.shares_target_kv:
-            self.draft.model.forward(ids_t, pos_t, attn, self.draft.kv)  # the draft's own KV
-        logits = self.model.compute_logits(hidden.rows(cu_t[1:] - 1))
-        st.steps[rows_t] = steps_t
-        out = sample_rows(self.model, st, rows_t, logits, with_logprobs)
-        # New rows continue from their first sampled token, resumed ones from their last token.
-        st.input_ids[rows_t] = torch.where(samples_t.bool(), out.tokens, resume_t)
-        st.positions[rows_t] = lens_t
-        st.steps[rows_t] = steps_t + samples_t
-        return out
+        tokens = None
+        if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS:
+            tokens = next((t for t in self.prefill_tokens if t >= num_tokens), None)
+        if tokens is None:
+            cols = max(len(c.blocks) for c in chunks)
+            ints = pack_prefill(chunks, num_tokens, len(chunks), cols, self.block_size,
+                                self.scratch_block, st.inert_row)
+            d, _ = self.h2d.put(ints, [])
+            meta = PrefillMeta.view(d, num_tokens, len(chunks), cols)
+            return prefill_step(self.model, st, self.kv, meta, with_logprobs, self.draft)
+        ints = pack_prefill(chunks, tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
+                            self.scratch_block, st.inert_row)
+        if self.graphs is not None and (tokens, with_logprobs) in self.graphs.prefill:
+            self.h2d.put_into(ints, self.prefill_buffer)
+            return self.graphs.replay_prefill(tokens, with_logprobs)
+        return self.prefill_padding(tokens, with_logprobs, ints)
+
+    def prefill_padding(self, tokens: int, with_logprobs: bool,
+                        ints: list[int] | None = None) -> SampleOut:
+        """The prefill of `tokens`' bucket over the static buffer, as its graph runs it, eagerly.
+        With no `ints`, a prefill of nothing but padding (it writes only the scratch block and
+        the inert row): what GraphSet.capture warms up and captures."""
+        st = self.state
+        if not torch.cuda.is_current_stream_capturing():  # a capture reads, never fills
+            if ints is None:
+                ints = pack_prefill([], tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
+                                    self.scratch_block, st.inert_row)
+            self.h2d.put_into(ints, self.prefill_buffer)
+        meta = PrefillMeta.view(self.prefill_buffer, tokens, MAX_PREFILL_SEQS, st.max_cols)
+        return prefill_step(self.model, st, self.kv, meta, with_logprobs, self.draft)
 
     def _copy_out(self, pre, prefill_counts: list[int], num_decode: int,
                   with_logprobs: bool) -> Launched:
@@ -221,8 +213,8 @@ class ModelRunner:
         for host, dec, pf in pairs:
             if num_decode and dec is not None:
                 host[:num_decode].copy_(dec[:num_decode], non_blocking=nb)
-            if pf is not None:
-                host[r:r + num_prefill, 0].copy_(pf, non_blocking=nb)
+            if pf is not None:  # a captured prefill's outputs are padded: its first rows
+                host[r:r + num_prefill, 0].copy_(pf[:num_prefill], non_blocking=nb)
         if nb:
             if slot.event is None:
                 slot.event = torch.cuda.Event()

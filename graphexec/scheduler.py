@@ -2,34 +2,37 @@
 
 Policy, no tensors. Each step it (1) drops rows that ended or surely end within the steps in
 flight, (2) makes sure every running row owns the block its next write lands in (pausing, then
-evicting, under KV pressure: see _make_room), (3) resumes paused rows, and (4) admits waiting
-requests in arrival order while rows and blocks allow. The result is a StepDelta for the device
-plus the prefills to run.
+evicting, under KV pressure: see _make_room), (3) resumes paused rows, and (4) spends the step's
+token budget (max_num_batched_tokens, less one token per decode row) on prompt chunks: first the
+prompts already begun, then waiting requests in arrival order while rows and blocks allow. A
+prompt longer than the budget is prefilled over several steps while the decode rows go on; on its
+last chunk it samples its first token and joins the batch. The result is a StepDelta for the
+device plus the prefill chunks to run.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
 
+from .capture.prefill import MAX_PREFILL_SEQS, PrefillChunk, bucket_floor, token_buckets
 from .capture.state import NewRow, StepDelta, Variant
 from .block_pool import BlockPool
 from .request import Request, Status
-from .runner import PrefillRow
 
 
 @dataclass
 class Plan:
     step_id: int
     delta: StepDelta | None  # None: the batch is unchanged since the last step
-    prefills: list[PrefillRow]
-    prefill_requests: list[Request]
+    prefills: list[PrefillChunk]
+    prefill_requests: list[Request]  # one per chunk
     rows: list[Request]  # row order at launch: results are matched to requests by it
     bucket: int
     variant: Variant
 
     @property
     def empty(self) -> bool:
-        return not self.rows
+        return not self.rows and not self.prefills
 
 
 @dataclass
@@ -39,19 +42,25 @@ class SchedulerStats:
     resumed: int = 0
     admitted: int = 0
     deferred_releases: int = 0
+    prefill_chunks: int = 0  # chunks that did not end their prompt
+    prefill_evictions: int = 0  # evictions of a request in the middle of its prefill
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_batch: int,
-                 buckets: list[int], max_prefill_tokens: int, spec_tokens: int = 0):
+                 buckets: list[int], max_num_batched_tokens: int, spec_tokens: int = 0):
         self.pool = pool
         self.spec_tokens = spec_tokens  # K draft positions written past each row's input
         self.block_size = block_size
         self.max_batch = max_batch
         self.buckets = buckets
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_buckets = token_buckets(max_num_batched_tokens)
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # row order of the DecodeState
+        # Admitted, prompt KV partly written, no row yet; sorted by arrival. Each holds every
+        # block its prompt and first decode step need, so a begun prefill never waits for KV.
+        self.prefilling: list[Request] = []
         self.paused: list[Request] = []  # out of the batch, KV kept; sorted by arrival
         # (step id, blocks): freed once that step's results are reconciled, because until then
         # the device may still write them.
@@ -64,11 +73,11 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def remove_waiting(self, req: Request) -> None:
-        """Takes a waiting or paused request out of its queue (abort)."""
-        if req in self.paused:
-            self.paused.remove(req)
-        else:
-            self.waiting.remove(req)
+        """Takes a waiting, prefilling or paused request out of its queue (abort)."""
+        for queue in (self.paused, self.prefilling, self.waiting):
+            if req in queue:
+                queue.remove(req)
+                return
 
     def blocks_for(self, num_positions: int) -> int:
         return -(-num_positions // self.block_size)
@@ -89,10 +98,9 @@ class Scheduler:
         entries = self._reserve(missing)
         new_rows: list[NewRow] = []
         resumed = self._resume(new_rows, entries)
-        prefills: list[PrefillRow] = []
-        admitted: list[Request] = []
-        if not self.paused:  # paused rows hold KV already: they go first
-            self._admit(new_rows, entries, prefills, admitted)
+        prefills: list[PrefillChunk] = []
+        prefill_requests: list[Request] = []
+        self._prefill(new_rows, entries, prefills, prefill_requests)
         n_rows = len(self.running)
         delta = None
         if compacted or new_rows or entries:
@@ -100,7 +108,8 @@ class Scheduler:
                               new_rows=new_rows, block_entries=entries)
         bucket = next((b for b in self.buckets if b >= n_rows), self.max_batch)
         self.stats.resumed += resumed
-        return Plan(step_id=step_id, delta=delta, prefills=prefills, prefill_requests=admitted,
+        return Plan(step_id=step_id, delta=delta, prefills=prefills,
+                    prefill_requests=prefill_requests,
                     rows=list(self.running), bucket=bucket,
                     variant=self._variant())
 
@@ -129,6 +138,11 @@ class Scheduler:
         while not self.pool.can_allocate(sum(missing)):
             short = [i for i, m in enumerate(missing) if m]
             v = max(short, key=lambda i: self.running[i].arrival)
+            if self.prefilling and self.prefilling[-1].arrival > self.running[v].arrival:
+                # a later arrival still prefilling gives its blocks back first (recompute)
+                self.stats.prefill_evictions += 1
+                self._evict(self.prefilling.pop())
+                continue
             req = self.running.pop(v)
             del row_map[v]
             del missing[v]
@@ -165,7 +179,7 @@ class Scheduler:
         blocks are free. Their KV is intact: they continue from their last token, no prefill."""
         n = 0
         for req in list(self.paused):
-            if len(self.running) >= self.max_batch:
+            if self._rows_taken() >= self.max_batch:
                 break
             if not self._can_resume(req):
                 continue  # a later row that fits may still go: no head-of-line deadlock
@@ -178,31 +192,67 @@ class Scheduler:
             n += 1
         return n
 
-    def _admit(self, new_rows, entries, prefills: list[PrefillRow],
-               admitted: list[Request]) -> None:
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_batch:
+    def _rows_taken(self) -> int:
+        """Rows in the batch plus rows promised to prompts being prefilled."""
+        return len(self.running) + len(self.prefilling)
+
+    def _prefill(self, new_rows: list[NewRow], entries: list[tuple[int, int, int]],
+                 chunks: list[PrefillChunk], requests: list[Request]) -> None:
+        """Spends the step's token budget on prompt chunks, the prompts already begun first.
+        The budget is cut to a captured prefill size, so a prompt cut into chunks pads none of
+        them, and is at least the smallest size, so prompts progress beside any batch."""
+        decode_tokens = len(self.running) * (self.spec_tokens + 1)
+        budget = bucket_floor(self.prefill_buckets, self.max_num_batched_tokens - decode_tokens)
+        for req in list(self.prefilling):
+            if budget <= 0 or len(chunks) >= MAX_PREFILL_SEQS:
+                return
+            budget -= self._chunk(req, budget, new_rows, entries, chunks, requests)
+        if self.paused:  # paused rows hold KV already: they go first
+            return
+        while (self.waiting and budget > 0 and len(chunks) < MAX_PREFILL_SEQS
+               and self._rows_taken() < self.max_batch):
             req = self.waiting[0]
             if req.finished:
                 self.waiting.pop(0)
                 continue
             if req.in_flight:  # evicted while a step was out: its last tokens are not known yet
                 break
-            n = req.num_tokens
             # the prompt, the first token, and what the first decode step may write after it
-            need = self.blocks_for(min(n + 1 + self.spec_tokens, req.max_len))
-            if not self.pool.can_allocate(need) or (admitted and n > budget):
+            need = self.blocks_for(min(req.num_tokens + 1 + self.spec_tokens, req.max_len))
+            if not self.pool.can_allocate(need):
                 break
             self.waiting.pop(0)
-            budget -= n
             req.blocks = self.pool.allocate(need)
+            # evicted after sampling: rebuild the KV of all but its last token, which it
+            # decodes on from
+            req.prefill_ids = req.prompt + req.output[:-1]
+            req.num_computed = 0
+            req.status = Status.PREFILLING
+            bisect.insort(self.prefilling, req, key=lambda r: r.arrival)
+            self.stats.admitted += 1
+            budget -= self._chunk(req, budget, new_rows, entries, chunks, requests)
+
+    def _chunk(self, req: Request, budget: int, new_rows: list[NewRow],
+               entries: list[tuple[int, int, int]], chunks: list[PrefillChunk],
+               requests: list[Request]) -> int:
+        """Schedules the request's next chunk, at most `budget` tokens. Its last chunk gives it
+        a row (and a decode token this very step). Returns the budget it took."""
+        ids, start = req.prefill_ids, req.num_computed
+        n = min(len(ids) - start, budget)
+        last = start + n == len(ids)
+        row = None
+        if last:
+            self.prefilling.remove(req)
             row = self._add_row(req, new_rows, entries)
-            admitted.append(req)
-            resumed = bool(req.output)  # evicted: rebuild its KV, decode on from its last token
-            prefills.append(PrefillRow(row=row, token_ids=req.prompt + req.output[:-1],
-                                       blocks=req.blocks, step=len(req.output),
-                                       resume_token=req.output[-1] if resumed else None))
-        self.stats.admitted += len(admitted)
+        else:
+            self.stats.prefill_chunks += 1
+        chunks.append(PrefillChunk(
+            token_ids=ids[start:start + n], start=start, blocks=req.blocks, row=row,
+            step=len(req.output),
+            resume_token=req.output[-1] if last and req.output else None))
+        requests.append(req)
+        req.num_computed += n
+        return n + int(last)
 
     def _add_row(self, req: Request, new_rows: list[NewRow],
                  entries: list[tuple[int, int, int]]) -> int:
@@ -218,7 +268,8 @@ class Scheduler:
         return row
 
     def _evict(self, req: Request) -> None:
-        """Frees a running request's KV and requeues it to recompute prompt + output so far."""
+        """Frees a paused or prefilling request's KV and requeues it to recompute prompt +
+        output so far."""
         self.stats.evictions += 1
         req.num_evictions += 1
         self.release(req)

@@ -314,9 +314,13 @@ def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         return out
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
-    seq_of = torch.repeat_interleave(torch.arange(n_seq, device=q.device), q_lens, output_size=t)
-    offset = torch.arange(t, device=q.device) - cu[seq_of]  # index within its sequence's queries
-    lens = (seq_lens.long()[seq_of] - q_lens[seq_of] + offset + 1).to(torch.int32)
+    token = torch.arange(t, device=q.device)
+    # A captured prefill pads its tokens past cu[-1] (capture/prefill.py): they belong to no
+    # sequence and attend to one key of the last one, so every read stays in bounds.
+    seq_of = torch.searchsorted(cu[1:], token, right=True).clamp_(max=n_seq - 1)
+    offset = token - cu[seq_of]  # index within its sequence's queries
+    lens = seq_lens.long()[seq_of] - q_lens[seq_of] + offset + 1
+    lens = torch.where(token < cu[-1], lens, 1).to(torch.int32)
     tables = block_tables[seq_of]
     for s in range(0, t, INVARIANT_PREFILL_CHUNK):
         e = min(t, s + INVARIANT_PREFILL_CHUNK)
@@ -445,7 +449,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # From this many rows the decode attention takes four warps for head dims <= 64 too: in the
 # whole decode step (llama-1b batch 64, contexts of 128-256, H100) 1.4688 ms against 1.4765 /
 # 1.4805 with two (decode_variants --attn num_warps=4), and 1.4434 / 1.4471 against 1.4612 /
-# 1.4801 with the qkv projection on Triton (stop 16, calls 5-6). 33 follows the fused
+# 1.4801 with the qkv projection on Triton (2026-11-24, 4b1b882, 659e267). 33 follows the fused
 # projections' range; batches of 17-47 rows were not measured.
 FOUR_WARPS_MIN_ROWS = 33
 # Fewest BLOCK_N tiles a split takes before a row is cut into more splits: a row of a few

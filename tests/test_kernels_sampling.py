@@ -32,7 +32,8 @@ def test_sample_matches_reference(K, b, v):
      (128256, dict()),
      (40000, dict(chunk=1024, sub=256, top_r=1, cap=512, small_cap=128, fb_block=512))],
     [(1200, dict(chunk=128, sub=32, top_r=1, cap=128, small_cap=32, scan=16, fb_block=128))]))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", big([torch.bfloat16, torch.float32, torch.float16],
+                                      [torch.float32, torch.bfloat16, torch.float16]))
 def test_sample_every_path(K, v, knobs, dtype):
     """Shrunk knobs send rows down every path: greedy, unfiltered, the two candidate sorts and
     the exact fallback; all must give the reference's token. bf16 / fp16: the logits the model

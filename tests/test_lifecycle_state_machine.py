@@ -11,11 +11,14 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from graphexec.request import Status
 from lifecycle_helpers import check_blocks, collect, drain, make_engine, random_params
 
 
 class AsyncEqualsSync(RuleBasedStateMachine):
     ENGINE = {}  # extra Engine options (the GPU variant sets device and graphs)
+    SYNC_ENGINE: dict = {}  # extra options of one engine only (the chunked variant's budgets)
+    ASYNC_ENGINE: dict = {}
     # 24 blocks of 16 hold one largest request (300 + 64 + K tokens) and little else, so most
     # programs pause rows and many evict; at 40 blocks sync evicted in none of 40 programs.
     KV_BLOCKS = 24
@@ -29,8 +32,10 @@ class AsyncEqualsSync(RuleBasedStateMachine):
         if cached is not None and all(_idle(e) for e in cached):
             self.sync, self.asyn = cached
         else:
-            self.sync = make_engine(False, num_kv_blocks=self.KV_BLOCKS, **self.ENGINE)
-            self.asyn = make_engine(True, num_kv_blocks=self.KV_BLOCKS, **self.ENGINE)
+            self.sync = make_engine(False, num_kv_blocks=self.KV_BLOCKS,
+                                    **self.ENGINE, **self.SYNC_ENGINE)
+            self.asyn = make_engine(True, num_kv_blocks=self.KV_BLOCKS,
+                                    **self.ENGINE, **self.ASYNC_ENGINE)
             if self.REUSE is not None:
                 self.REUSE["engines"] = (self.sync, self.asyn)
         self.out_sync: dict = {}
@@ -57,6 +62,10 @@ class AsyncEqualsSync(RuleBasedStateMachine):
         if not live:
             return
         rid = live[pick % len(live)]
+        for e, name in ((self.sync, "sync"), (self.asyn, "async")):
+            if e.requests[rid].status is Status.PREFILLING:
+                TALLY[f"{name}_aborted_prefilling"] = TALLY.get(
+                    f"{name}_aborted_prefilling", 0) + 1
         self.sync.abort(rid)
         self.asyn.abort(rid)
         self.aborted.add(rid)
@@ -98,7 +107,7 @@ class AsyncEqualsSync(RuleBasedStateMachine):
             assert not e.requests and not e.in_flight
         assert self.asyn.stats.chain_breaks == 0
         for e, name in ((self.sync, "sync"), (self.asyn, "async")):
-            for k in ("pauses", "evictions"):
+            for k in ("pauses", "evictions", "prefill_chunks", "prefill_evictions"):
                 TALLY[f"{name}_{k}"] = TALLY.get(f"{name}_{k}", 0) + getattr(
                     e.scheduler.stats, k)
 
@@ -135,6 +144,33 @@ def test_state_machine_hits_pauses_and_evictions():
         suppress_health_check=[HealthCheck.too_slow]))
     assert all(TALLY.get(f"{e}_{k}", 0) > 0 for e in ("sync", "async")
                for k in ("pauses", "evictions")), TALLY
+
+
+class ChunkedAsyncEqualsWholeSync(AsyncEqualsSync):
+    """Async prefills prompts in chunks of a small budget; sync prefills each whole. Aborts,
+    pauses and evictions then land in the middle of prefills too."""
+
+    SYNC_ENGINE = dict(max_num_batched_tokens=4096)
+    ASYNC_ENGINE = dict(max_num_batched_tokens=24)
+
+
+TestChunkedAsyncEqualsWholeSync = ChunkedAsyncEqualsWholeSync.TestCase
+TestChunkedAsyncEqualsWholeSync.settings = settings(
+    max_examples=20, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_chunked_state_machine_aborts_and_evicts_in_the_middle_of_prefills():
+    """The chunked program is only meaningful if prompts are cut and requests are aborted and
+    evicted while prefilling."""
+    TALLY.clear()
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(ChunkedAsyncEqualsWholeSync, settings=settings(
+        max_examples=10, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert all(TALLY.get(f"async_{k}", 0) > 0 for k in (
+        "prefill_chunks", "aborted_prefilling", "prefill_evictions", "pauses")), TALLY
 
 
 class AsyncEqualsSyncOnGpu(AsyncEqualsSync):

@@ -1,0 +1,158 @@
+"""The prefill step: chunks of prompts written into the paged KV cache, the first token sampled for
+each prompt whose last chunk this is, and those rows' next inputs set in DecodeState.
+
+A step's chunks are packed into one varlen batch described by `PrefillMeta`, whose tensors are all
+views of one int64 buffer that the host fills with a single H2D copy. With CUDA graphs the buffer
+is static and the batch is padded to a token bucket (and a fixed number of sequences), so the
+whole prefill is one graph replay per bucket: an admission costs the host one copy and one replay
+instead of hundreds of eager launches. Padding never touches a live row or block: pad tokens
+write their K/V into the scratch block and belong to no sequence, pad sequences are empty, and
+every sequence that does not sample (a partial chunk, a pad) writes its outputs into the inert
+row with the inert row's own values (token 0, position 0, step 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.llama import AttentionInputs, KVCache, LlamaModel
+from .iteration import SampleOut, sample_rows
+from .state import DecodeState
+
+# How many sequences one prefill step packs at most (the captured graphs' fixed count).
+MAX_PREFILL_SEQS = 16
+# The smallest token bucket: below it a graph would save no padding worth its memory.
+MIN_TOKEN_BUCKET = 16
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's share of a prefill step: its tokens at positions start.. , written into
+    `blocks`. The last chunk of a prompt samples (or, for a request recomputing after eviction,
+    resumes from its last token) into decode row `row`; an earlier chunk has row None."""
+
+    token_ids: list[int]
+    start: int  # position of token_ids[0]: the KV of positions < start is already written
+    blocks: list[int]
+    row: int | None = None  # the DecodeState row it joins as, on its last chunk
+    step: int = 0  # index of the next output token of this request
+    resume_token: int | None = None  # evicted request: its last token, next input; no sample
+
+    @property
+    def samples(self) -> int:
+        """Tokens this chunk emits: 1 for a prompt's last chunk, 0 otherwise."""
+        return int(self.row is not None and self.resume_token is None)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class PrefillMeta:
+    """Device views of one packed prefill batch of `num_tokens` tokens and `num_seqs` sequences
+    (real or padded). Every per-sequence value is indexed by sequence, in chunk order."""
+
+    ids: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat KV slot of each token
+    cu_seqlens: torch.Tensor  # [S + 1] query offsets
+    seq_lens: torch.Tensor  # [S] keys each sequence attends to: its cached prefix + chunk
+    rows: torch.Tensor  # [S] DecodeState row the sample goes to (the inert row if none)
+    steps: torch.Tensor  # [S]
+    samples: torch.Tensor  # [S] 1: sample the first token; 0: no token
+    resume: torch.Tensor  # [S] next input when not sampling (0 for the inert row)
+    next_position: torch.Tensor  # [S] the row's next position (0 for the inert row)
+    block_tables: torch.Tensor  # [S, C]
+
+    @staticmethod
+    def size(num_tokens: int, num_seqs: int, cols: int) -> int:
+        return 3 * num_tokens + 7 * num_seqs + 1 + num_seqs * cols
+
+    @classmethod
+    def view(cls, buf: torch.Tensor, num_tokens: int, num_seqs: int, cols: int) -> "PrefillMeta":
+        t, s = num_tokens, num_seqs
+        parts = buf[:cls.size(t, s, cols)].split([t, t, t, s + 1] + [s] * 6 + [s * cols])
+        return cls(*parts[:10], parts[10].view(s, cols))
+
+
+def pack_prefill(chunks: list[PrefillChunk], num_tokens: int, num_seqs: int, cols: int,
+                 block_size: int, scratch_block: int, inert_row: int) -> list[int]:
+    """The int list PrefillMeta.view reads, padded to num_tokens tokens and num_seqs sequences."""
+    ids, pos, slots, cu, lens = [], [], [], [0], []
+    tables: list[int] = []
+    for c in chunks:
+        n = len(c.token_ids)
+        ids += c.token_ids
+        pos += range(c.start, c.end)
+        if len(c.blocks) * block_size < c.end:  # the scheduler reserves them first
+            raise RuntimeError(f"{len(c.blocks)} blocks for {c.end} positions")
+        p = c.start
+        while p < c.end:  # a run of slots per block
+            base = c.blocks[p // block_size] * block_size + p % block_size
+            take = min(block_size - p % block_size, c.end - p)
+            slots += range(base, base + take)
+            p += take
+        cu.append(cu[-1] + n)
+        lens.append(c.end)
+        tables += c.blocks[:cols] + [scratch_block] * (cols - len(c.blocks))
+    pad_t, pad_s = num_tokens - len(ids), num_seqs - len(chunks)
+    if pad_t < 0 or pad_s < 0:
+        raise RuntimeError(f"{len(ids)} tokens in {len(chunks)} chunks exceed the "
+                           f"{num_tokens}-token, {num_seqs}-sequence prefill")
+    ids += [0] * pad_t
+    pos += [0] * pad_t
+    slots += [scratch_block * block_size] * pad_t
+    cu += [cu[-1]] * pad_s
+    lens += [0] * pad_s
+    joins = [c.row is not None for c in chunks]
+    rows = [c.row if j else inert_row for c, j in zip(chunks, joins)] + [inert_row] * pad_s
+    steps = [c.step if j else 0 for c, j in zip(chunks, joins)] + [0] * pad_s
+    samples = [c.samples for c in chunks] + [0] * pad_s
+    resume = [(c.resume_token or 0) if j else 0 for c, j in zip(chunks, joins)] + [0] * pad_s
+    next_pos = [c.end if j else 0 for c, j in zip(chunks, joins)] + [0] * pad_s
+    tables += [scratch_block] * (cols * pad_s)
+    return ids + pos + slots + cu + lens + rows + steps + samples + resume + next_pos + tables
+
+
+def prefill_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
+                 with_logprobs: bool, draft=None) -> SampleOut:
+    """Writes the chunks' KV, samples each sequence's next token from its last position, and
+    sets the joining rows' next input, position and step. Reads sizes from tensors only, so it
+    is captured as it is (capture/graphs.py)."""
+    attn = AttentionInputs(slot_mapping=meta.slots,
+                           block_tables=meta.block_tables.to(torch.int32),
+                           seq_lens=meta.seq_lens.to(torch.int32),
+                           cu_seqlens_q=meta.cu_seqlens.to(torch.int32))
+    hidden = model.forward(meta.ids, meta.positions, attn, kv)
+    if draft is not None and not draft.shares_target_kv:
+        draft.model.forward(meta.ids, meta.positions, attn, draft.kv)  # the draft's own KV
+    # An empty (pad) sequence picks the token before its offset: any row, its sample is unused.
+    logits = model.compute_logits(hidden.rows(meta.cu_seqlens[1:] - 1))
+    rows = meta.rows
+    state.steps[rows] = meta.steps
+    out = sample_rows(model, state, rows, logits, with_logprobs)
+    # New rows continue from their first sampled token, resumed ones from their last token;
+    # the inert row is rewritten with its own zeros.
+    state.input_ids[rows] = torch.where(meta.samples.bool(), out.tokens, meta.resume)
+    state.positions[rows] = meta.next_position
+    state.steps[rows] = meta.steps + meta.samples
+    return out
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The captured prefill sizes: 16, 32, 64, then every 64 tokens to 512 and every 256
+    beyond, and max_tokens itself. A prefill is compute-bound, so padding costs its share of
+    the time: steps this fine keep it under about 15% of a large prefill, and the scheduler
+    cuts chunks to a bucket's size (bucket_floor) so a long prompt's chunks pad nothing."""
+    out, b = [], MIN_TOKEN_BUCKET
+    while b < max_tokens:
+        out.append(b)
+        b = b * 2 if b < 64 else b + (64 if b < 512 else 256)
+    return out + [max_tokens]
+
+
+def bucket_floor(buckets: list[int], tokens: int) -> int:
+    """The largest bucket not above `tokens` (the smallest bucket if none is)."""
+    return max((b for b in buckets if b <= tokens), default=buckets[0])
