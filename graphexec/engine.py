@@ -18,7 +18,7 @@ import torch
 
 from .block_pool import BlockPool
 from .config import EngineConfig
-from .model import KVCache, LlamaModel, ModelConfig, load_weights, preset, random_weights
+from .model import KVCache, LlamaModel, ModelConfig, load_model, resolve_model
 from .outputs import RequestOutput
 from .request import Request, Status
 from .capture.prefill import token_buckets
@@ -176,7 +176,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError(f"prompt for {request_id!r} is a string but the model has no "
                                  "tokenizer.json: pass token ids")
-            prompt = self.tokenizer.encode(prompt)
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=True)  # BOS, if any
         if isinstance(prompt, torch.Tensor) and prompt.device.type != "cpu":
             # Reading it would wait for the device, step in flight included: a chain break.
             raise ValueError(f"prompt_token_ids for {request_id!r} is a tensor on "
@@ -361,12 +361,10 @@ def _apply_manifest(cfg: EngineConfig) -> None:
 
 
 def _load_model(cfg: EngineConfig):
-    if os.path.isdir(cfg.model):
-        mc = ModelConfig.from_dir(cfg.model)
-        weights = load_weights(cfg.model, mc, cfg.device, cfg.dtype)
-        return mc, weights, load_tokenizer(cfg.model)
-    mc = preset(cfg.model)
-    return mc, random_weights(mc, cfg.device, cfg.dtype, seed=cfg.seed), None
+    """An HF dir, a GGUF file (or a dir holding one), a shipped model's name, or a preset."""
+    source = resolve_model(cfg.model)
+    mc, weights = load_model(source, cfg.device, cfg.dtype, seed=cfg.seed)
+    return mc, weights, load_tokenizer(source)
 
 
 def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

