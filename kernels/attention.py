@@ -24,6 +24,18 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
     return g.reshape(*block_table.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
 
+def _columns_in_use(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """On the CPU, only the block-table columns the longest row reaches: the graph-safe fixed
+    width (every column up to the context limit) is for CUDA, and gathering and scoring it
+    whole made a CPU decode step cost the context limit, not the rows' lengths. Reading the
+    lengths is free there; on CUDA it would be a sync, so the table stays whole."""
+    if seq_lens.device.type != "cpu" or seq_lens.numel() == 0:
+        return block_tables
+    cols = max(1, -(-int(seq_lens.max()) // block_size))
+    return block_tables[..., :cols]
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
@@ -31,6 +43,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     the query's own position included). Returns [B, Hq, D] in q's dtype; fp32 accumulation."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
+    block_tables = _columns_in_use(block_tables, seq_lens, k_cache.shape[1])
     keys = _gather_context(k_cache, block_tables).float()  # [B, L, Hk, D]
     vals = _gather_context(v_cache, block_tables).float()
     qg = q.float().view(b, hk, hq // hk, d)
@@ -60,8 +73,10 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         n_q = e - s
         if n_q == 0:
             continue
-        keys = _gather_context(k_cache, block_tables[i])[:n_keys].float()  # [L, Hk, D]
-        vals = _gather_context(v_cache, block_tables[i])[:n_keys].float()
+        n_blocks = -(-n_keys // k_cache.shape[1])
+        table = block_tables[i, :n_blocks]  # the blocks it reaches
+        keys = _gather_context(k_cache, table)[:n_keys].float()  # [L, Hk, D]
+        vals = _gather_context(v_cache, table)[:n_keys].float()
         qi = q[s:e].float().view(n_q, hk, hq // hk, d)
         scores = torch.einsum("qhgd,lhd->hgql", qi, keys) * scale
         q_pos = torch.arange(n_keys - n_q, n_keys, device=q.device)
