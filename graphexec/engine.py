@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .model import KVCache, LlamaModel, ModelConfig, load_model, resolve_model
 from .outputs import RequestOutput
 from .request import Request, Status
+from .request_text import RequestText
 from .capture.prefill import token_buckets
 from .capture.state import Variant
 from .runner import Launched, ModelRunner
@@ -147,6 +148,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} for {request_id!r}: stop strings need a "
+                             "tokenizer and the model has none (use stop_token_ids)")
         prompt = self._validate_prompt(request_id, prompt_token_ids)
         self._check_fits(request_id, len(prompt), params.max_tokens)
         vocab = self.model_config.vocab_size
@@ -167,7 +171,9 @@ class Engine:
                       # top_k >= vocab filters nothing; passing it on would only send the row
                       # down the sampler's slow exact path
                       top_k=params.top_k if 0 < params.top_k < vocab else 0,
-                      logprobs=[] if params.logprobs is not None else None)
+                      logprobs=[] if params.logprobs is not None else None,
+                      text=(RequestText.create(self.tokenizer, params)
+                            if self.tokenizer is not None else None))
         self.requests[request_id] = req
         self.scheduler.add(req)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+from .chat import encode_chat, validate_conversation
 from .engine import Engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -65,9 +66,29 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        tok = engine.tokenizer
-        results = [done[rid] for rid in ids]
-        if tok is not None:
-            for r in results:
-                r.text = tok.decode(r.token_ids)
-        return results
+        # With a tokenizer each output carries the streamed text, stop strings already cut.
+        return [done[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True, **template_vars) -> list[RequestOutput]:
+        """Generates the assistant's reply to one conversation (a list of {"role", "content"}
+        dicts) or to each of a list of conversations; outputs in the conversations' order."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError(f"chat needs a tokenizer; model={self.engine.config.model!r} "
+                             "has none")
+        if (isinstance(messages, Sequence) and not isinstance(messages, (str, bytes))
+                and messages and isinstance(messages[0], dict)):
+            messages = [messages]  # one conversation
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) \
+                or not messages:
+            raise ValueError(f"messages must be a conversation (a list of {{'role', 'content'}} "
+                             f"dicts) or a list of them, got {messages!r}")
+        prompts = []
+        for i, conv in enumerate(messages):
+            validate_conversation(conv, f"messages[{i}]" if len(messages) > 1 else "messages")
+            prompts.append(encode_chat(tok, conv, add_generation_prompt, chat_template,
+                                       **template_vars))
+        return self.generate(prompts, params, use_tqdm=use_tqdm)

@@ -20,20 +20,27 @@ class RequestOutput:
     grows (copying the whole history into every step's output made long streams quadratic).
     Built from plain lists (no length given), an output simply holds them."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finish_reason", "text",
-                 "num_drafted_tokens", "num_accepted_tokens", "_tokens", "_n_tokens",
-                 "_logprobs", "_n_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finish_reason",
+                 "new_text", "num_drafted_tokens", "num_accepted_tokens", "_tokens", "_n_tokens",
+                 "_logprobs", "_n_logprobs", "_text", "_text_pieces", "_n_text_pieces")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int],
                  new_token_ids: list[int] | None = None, finish_reason: str | None = None,
                  logprobs: list[TokenLogprob] | None = None, text: str | None = None,
                  num_drafted_tokens: int = 0, num_accepted_tokens: int = 0, *,
-                 num_tokens: int | None = None, num_logprobs: int | None = None):
+                 num_tokens: int | None = None, num_logprobs: int | None = None,
+                 new_text: str | None = None, text_pieces: list[str] | None = None,
+                 num_text_pieces: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.new_token_ids = new_token_ids if new_token_ids is not None else []
         self.finish_reason = finish_reason  # "stop" | "length" | "abort"; None while running
-        self.text = text
+        # Text (with a tokenizer): `new_text` is this step's delta; `text`, the cumulative text,
+        # is given whole or as the request's append-only list of deltas, joined on access.
+        self.new_text = new_text
+        self._text = text
+        self._text_pieces = text_pieces
+        self._n_text_pieces = num_text_pieces
         # speculative decoding: draft tokens proposed for and accepted into this request
         self.num_drafted_tokens = num_drafted_tokens
         self.num_accepted_tokens = num_accepted_tokens
@@ -48,6 +55,16 @@ class RequestOutput:
         return self._tokens[:self._n_tokens]
 
     @property
+    def text(self) -> str | None:
+        if self._text is None and self._text_pieces is not None:
+            self._text = "".join(self._text_pieces[:self._n_text_pieces])
+        return self._text
+
+    @text.setter
+    def text(self, value: str | None) -> None:
+        self._text, self._text_pieces = value, None
+
+    @property
     def logprobs(self) -> list[TokenLogprob] | None:
         """One per token, when the request asked for logprobs."""
         return None if self._logprobs is None else self._logprobs[:self._n_logprobs]
@@ -58,7 +75,8 @@ class RequestOutput:
 
     def _key(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.new_token_ids,
-                self.finish_reason, self.logprobs, self.text, self.num_drafted_tokens,
+                self.finish_reason, self.logprobs, self.text, self.new_text,
+                self.num_drafted_tokens,
                 self.num_accepted_tokens)
 
     def __eq__(self, other: object) -> bool:

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .outputs import RequestOutput, TokenLogprob
+from .request_text import RequestText
 from .sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     # many of them the chunks launched so far cover.
     prefill_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    text: RequestText | None = None  # with a tokenizer: the output text, stop strings
     # output tokens at which it ends by length: max_tokens, or the context limit if sooner
     output_limit: int = field(init=False)
 
@@ -83,6 +85,9 @@ class Request:
         n = len(self.output)
         if token in self.stop_ids and n >= self.params.min_tokens:
             self.finish("stop")
+        elif (self.text is not None and self.text.has_stops  # text checked token by token
+              and self.text.feed(self.output, check_stops=n > self.params.min_tokens)):
+            self.finish("stop")
         elif n >= self.output_limit:
             self.finish("length")
 
@@ -91,10 +96,14 @@ class Request:
         self.finish_reason = reason
 
     def take_output(self) -> RequestOutput:
+        text = self.text
+        new_text = text.advance(self.output, self.finished) if text is not None else None
         out = RequestOutput(
             self.request_id, self.prompt, self.output, self.new_tokens, self.finish_reason,
             self.logprobs, num_drafted_tokens=self.num_drafted,
             num_accepted_tokens=self.num_accepted, num_tokens=len(self.output),
-            num_logprobs=len(self.logprobs) if self.logprobs is not None else None)
+            num_logprobs=len(self.logprobs) if self.logprobs is not None else None,
+            new_text=new_text, text_pieces=text.pieces if text is not None else None,
+            num_text_pieces=len(text.pieces) if text is not None else 0)
         self.new_tokens = []
         return out

@@ -17,7 +17,10 @@ class SamplingParams:
     """max_tokens: tokens to generate at most. min_tokens: EOS and stop ids are suppressed until
     this many were generated. temperature 0 means greedy. top_k <= 0 (or -1) disables top-k;
     top_p 1.0 disables top-p. seed makes the request's draws a pure function of (seed, token
-    index). logprobs: None for none, n in 0..20 for the chosen token's logprob plus the top n."""
+    index). logprobs: None for none, n in 0..20 for the chosen token's logprob plus the top n.
+    stop: strings that end the request when the generated text contains one (needs a
+    tokenizer); the text is cut before it unless include_stop_str_in_output.
+    skip_special_tokens: leave special tokens out of the output text."""
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -28,6 +31,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: list[str] | str = field(default_factory=list)  # a single string is one stop
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -57,6 +63,16 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if (not isinstance(self.stop, (list, tuple))
+                or not all(isinstance(s, str) and s for s in self.stop)):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        self.stop = list(self.stop)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 
