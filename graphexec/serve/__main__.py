@@ -1,0 +1,148 @@
+"""python -m graphexec.serve --model smollm2-135m (also the `graphexec-serve` script)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+import uvicorn
+
+from ..config import EngineConfig
+from ..spec import SpeculativeConfig
+from .config import ServeConfig
+from .engine_loop import Phase
+
+# flag -> EngineConfig field, for the engine options passed through as they are
+_ENGINE_FLAGS = {"device": "device", "dtype": "dtype", "max_batch": "max_batch",
+                 "max_model_len": "max_model_len", "num_kv_blocks": "num_kv_blocks",
+                 "kv_cache_memory": "kv_cache_memory", "block_size": "block_size",
+                 "seed": "seed", "max_num_batched_tokens": "max_num_batched_tokens",
+                 "manifest": "manifest", "projections": "projections"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="graphexec-serve",
+                                 description="OpenAI-compatible server over a graphexec Engine")
+    ap.add_argument("--model", required=True,
+                    help="a model directory, a GGUF file, or a name (smollm2-135m, tiny, ...)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the name requests use in `model` (default: --model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("GRAPHEXEC_API_KEY"),
+                    help="require `Authorization: Bearer <key>` on /v1 routes "
+                         "(default: $GRAPHEXEC_API_KEY, else none)")
+    ap.add_argument("--max-queue", type=int, default=256,
+                    help="waiting requests beyond which new ones are refused with 503")
+    ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
+    ap.add_argument("--dtype", default=None, help="bfloat16, float16, float32")
+    ap.add_argument("--max-batch", type=int, default=None, help="rows decoded together")
+    ap.add_argument("--max-model-len", type=int, default=None, help="context limit, tokens")
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size, bytes")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seeds the draws of requests that give no seed")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, decode rows plus prompt chunks")
+    ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
+    ap.add_argument("--projections", default=None, help="auto, cublas or triton")
+    ap.add_argument("--speculative-draft", default=None,
+                    help="speculative decoding: self:N, a preset or a draft model directory")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="tokens drafted per step (with --speculative-draft)")
+    ap.add_argument("--sync", action="store_true",
+                    help="sync scheduling (read each step before the next): for debugging")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="eager steps on CUDA")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds open requests may take to finish on SIGTERM before they "
+                         "are aborted")
+    ap.add_argument("--log-level", default="info")
+    return ap.parse_args(argv)
+
+
+def engine_options(args: argparse.Namespace, ap_error) -> dict:
+    accepted = {f.name for f in dataclasses.fields(EngineConfig)}
+    opts = {}
+    for flag, name in _ENGINE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if name not in accepted:
+            ap_error(f"--{flag.replace('_', '-')}: this engine has no {name} option")
+        opts[name] = value
+    opts["async_scheduling"] = not args.sync
+    if args.no_cuda_graphs:
+        opts["cuda_graphs"] = False
+    # Options are checked here, before the port opens, rather than on the engine thread.
+    try:
+        if args.speculative_draft is not None:
+            opts["speculative"] = SpeculativeConfig(args.speculative_draft,
+                                                    args.num_speculative_tokens)
+        EngineConfig(model=args.model, **opts)
+    except (ValueError, TypeError) as e:
+        ap_error(str(e))
+    return opts
+
+
+class _Server(uvicorn.Server):
+    """Uvicorn's server, telling the app the moment a shutdown signal arrives: from then on
+    /health answers 503 and new requests are refused while the open ones finish."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+
+    def ap_error(msg: str):
+        print(f"graphexec-serve: error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+    opts = engine_options(args, ap_error)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServeConfig(model=args.model, served_model_name=args.served_model_name or args.model,
+                         engine_options=opts, api_key=args.api_key, max_queue=args.max_queue)
+    from ..engine import Engine
+    from .app import build_app
+
+    server: _Server | None = None
+
+    def on_fatal() -> None:  # from the engine thread; uvicorn polls should_exit
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(config, lambda: Engine(args.model, **opts), on_fatal=on_fatal)
+    state = app.state.server
+
+    def on_exit() -> None:  # in the signal handler: only flag setting and a reentrant put
+        state.draining = True
+        state.loop.drain(args.shutdown_timeout)
+
+    # Uvicorn waits for open requests a little past our own abort at shutdown_timeout, so
+    # that the streams aborted then still end with an error event and [DONE], not a cut.
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                        access_log=False, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _Server(uv, on_exit)
+    # Uvicorn re-raises the shutdown signal once it has finished, to whatever handler was
+    # there before it: a no-op here, so a graceful shutdown ends with exit status 0 (1 if the
+    # engine failed) rather than death by SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    if state.loop.phase is Phase.FAILED:
+        print(f"graphexec-serve: the engine failed: {state.loop.error}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

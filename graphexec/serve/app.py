@@ -1,0 +1,87 @@
+"""The FastAPI application: lifespan (the engine loop's start and stop), authentication, and the
+routes that are not generation (/health, /metrics, /v1/models)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from . import chat_completions, completions, errors
+from .config import ServeConfig
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics
+from .render import created
+from .state import ServerState
+
+
+def build_app(config: ServeConfig, engine_factory: Callable[[], object],
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """engine_factory builds the Engine; it runs on the engine thread, after the server is
+    listening, so /health can answer 503 while weights load and graphs are captured.
+    on_fatal: called (from the engine thread) if the engine fails to start or dies."""
+    loop = EngineLoop(engine_factory, on_fatal=on_fatal)
+    metrics = ServerMetrics(lambda: loop.snapshot, loop.num_waiting)
+    loop.observer = metrics.observe
+    state = ServerState(config, loop, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start(asyncio.get_running_loop())
+        yield
+        # Uvicorn has stopped accepting and waited for open requests (up to its graceful
+        # timeout) before it gets here; what is still running is aborted by the loop's stop.
+        state.draining = True
+        await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="graphexec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    errors.install(app)
+    v1 = APIRouter(dependencies=[Depends(_auth(config.api_key))])
+    v1.include_router(completions.router)
+    v1.include_router(chat_completions.router)
+
+    @v1.get("/v1/models")
+    async def list_models() -> dict:
+        card = {"id": config.served_model_name, "object": "model", "created": _STARTED,
+                "owned_by": "graphexec", "root": config.model}
+        if loop.info is not None:
+            card["max_model_len"] = loop.info.max_model_len
+        return {"object": "list", "data": [card]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.ready:
+            return Response(status_code=200)
+        return JSONResponse({"status": "draining" if state.draining else loop.phase.value},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+_STARTED = created()
+
+
+def _auth(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, expected):  # constant time: the key is a secret
+            raise errors.APIError("a valid API key is required (Authorization: Bearer <key>)",
+                                  status=401, code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+
+    return check

@@ -1,0 +1,27 @@
+"""What the request handlers need to know about the engine, read once when it is built.
+
+Handlers run on the event loop and never touch the Engine (its thread owns it); they validate
+against this frozen copy instead. The tokenizer is shared: encoding on the event loop while the
+engine thread decodes is safe (the `tokenizers` package is thread-safe for both)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    max_model_len: int
+    vocab_size: int
+    # Prompt + output tokens one request can hold if it had the whole KV cache: a request that
+    # needs more is refused (the engine would refuse it too, see Engine._check_fits).
+    kv_capacity_tokens: int
+    kv_blocks: int
+    tokenizer: object | None
+
+    @classmethod
+    def of(cls, engine) -> "ModelInfo":
+        blocks = engine.pool.num_blocks
+        return cls(max_model_len=engine.max_model_len,
+                   vocab_size=engine.model_config.vocab_size,
+                   kv_capacity_tokens=blocks * engine.config.block_size - engine.runner.k,
+                   kv_blocks=blocks, tokenizer=engine.tokenizer)

@@ -1,0 +1,124 @@
+"""Request fields -> SamplingParams, with every refusal naming the field the client wrote.
+
+Ranges are checked by SamplingParams itself; its ValueError starts with the name of its own
+field, which is mapped back to the API's name for it (max_completion_tokens, top_logprobs...).
+The context limits are checked here, before admission, so the engine thread never sees a
+request it would refuse.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..sampling_params import MAX_SEED, SamplingParams
+from .errors import APIError, invalid
+from .model_info import ModelInfo
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_N = 16  # choices per request: each is a whole request in the engine
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """The API's names for the SamplingParams fields whose name differs by endpoint."""
+
+    max_tokens: str
+    logprobs: str
+    prompt: str
+
+
+COMPLETION_FIELDS = FieldNames(max_tokens="max_tokens", logprobs="logprobs", prompt="prompt")
+
+
+def chat_fields(req: ChatCompletionRequest) -> FieldNames:
+    return FieldNames(
+        max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+        else "max_tokens", logprobs="top_logprobs", prompt="messages")
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return invalid(f"{param}: {what} is not supported by this server", param,
+                   code="unsupported_parameter")
+
+
+def check_common(req: SamplingFields) -> None:
+    """What does not depend on the prompt: checked once per HTTP request."""
+    if req.n < 1 or req.n > MAX_N:
+        raise invalid(f"n must be an integer in [1, {MAX_N}], got {req.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0.0):
+            raise _unsupported(name, "a non-zero penalty")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "a logit bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise _unsupported("echo", "echoing the prompt")
+        if req.suffix:
+            raise _unsupported("suffix", "a suffix")
+        if req.best_of not in (None, req.n):
+            raise _unsupported("best_of", "best_of other than n")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise _unsupported("tools", "tool calling")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format", "a structured response format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+
+
+def _max_tokens(req: SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def _logprobs(req: SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def sampling_params(req: SamplingFields, names: FieldNames, prompt_len: int, info: ModelInfo,
+                    index: int = 0) -> SamplingParams:
+    """The params of choice `index` of a prompt of `prompt_len` tokens."""
+    limit = min(info.max_model_len, info.kv_capacity_tokens)
+    room = limit - prompt_len
+    if room < 1:
+        raise invalid(f"{names.prompt} is {prompt_len} tokens long; this model's context is "
+                      f"{limit} tokens, which leaves no room to generate",
+                      names.prompt, code="context_length_exceeded")
+    max_tokens = _max_tokens(req)
+    if max_tokens is None:  # as many as the context allows
+        max_tokens = room
+    elif max_tokens > room:
+        raise invalid(f"{names.max_tokens}={max_tokens} with a {prompt_len}-token prompt goes "
+                      f"past this model's context of {limit} tokens (at most {room} here)",
+                      names.max_tokens, code="context_length_exceeded")
+    if req.stop and info.tokenizer is None:
+        raise invalid("stop: stop strings are matched on the text, and this model has no "
+                      "tokenizer; use stop_token_ids", "stop")
+    seed = req.seed
+    if seed is not None and index and 0 <= seed <= MAX_SEED:
+        # n choices with one seed would be n copies of one sample
+        seed = (seed + index) % (MAX_SEED + 1)
+    options = dict(
+        max_tokens=max_tokens, min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k, seed=seed,
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+        logprobs=_logprobs(req), stop=req.stop or [])
+    try:
+        return SamplingParams(**options)
+    except ValueError as e:
+        raise _renamed(str(e), names) from None
+
+
+def _renamed(message: str, names: FieldNames) -> APIError:
+    """SamplingParams' messages start with its field's name: put the API's name there."""
+    m = re.match(r"[a-z_]+", message)
+    field = m.group(0) if m else None
+    api = {"max_tokens": names.max_tokens, "logprobs": names.logprobs}.get(field, field)
+    if field and api != field:
+        message = api + message[len(field):]
+    return invalid(message, api)

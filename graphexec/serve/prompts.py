@@ -1,0 +1,59 @@
+"""Prompts -> token ids, on the event loop, before anything reaches the engine thread.
+
+Token ids are checked against the vocabulary here so that a bad id is refused by name instead
+of being found by the engine; the context limit is checked with the params (params.py)."""
+from __future__ import annotations
+
+from ..chat import encode_chat
+from .errors import invalid
+from .model_info import ModelInfo
+from .protocol import ChatCompletionRequest, ChatMessage
+
+
+def completion_prompts(prompt: str | list, info: ModelInfo) -> list[list[int]]:
+    """A string, a list of token ids, or a batch of either -> one id list per prompt."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        batch, single = [prompt], True
+    else:
+        batch, single = prompt, False
+    if not batch:
+        raise invalid("prompt must not be empty", "prompt")
+    out = []
+    for i, p in enumerate(batch):
+        where = "prompt" if single else f"prompt[{i}]"
+        ids = _encode(p, info, where) if isinstance(p, str) else list(p)
+        if not ids:
+            raise invalid(f"{where} is empty", "prompt")
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"{where} holds token id {bad}, outside the vocabulary "
+                          f"[0, {info.vocab_size})", "prompt")
+        out.append(ids)
+    return out
+
+
+def _encode(text: str, info: ModelInfo, where: str) -> list[int]:
+    if info.tokenizer is None:
+        raise invalid(f"{where}: this model has no tokenizer, so the prompt must be a list of "
+                      "token ids", "prompt")
+    return info.tokenizer.encode(text)
+
+
+def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
+    if info.tokenizer is None:
+        raise invalid("messages: this model has no tokenizer (and so no chat template); use "
+                      "/v1/completions with token ids", "messages")
+    messages = [_message(m) for m in req.messages]
+    try:
+        return encode_chat(info.tokenizer, messages, req.add_generation_prompt)
+    except ValueError as e:  # no template, or the template refused the conversation
+        raise invalid(f"messages: {e}", "messages") from None
+
+
+def _message(m: ChatMessage) -> dict:
+    msg = dict(m.model_extra or {})
+    content = m.content
+    if isinstance(content, list):  # text parts; other part types fail validation
+        content = "".join(part.text for part in content)
+    msg.update(role=m.role, content=content or "")
+    return msg

@@ -1,0 +1,49 @@
+"""What every route shares: the config, the engine loop, the metrics, and admission."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ServeConfig
+from .engine_loop import EngineLoop
+from .errors import invalid, unavailable
+from .metrics import ServerMetrics
+from .model_info import ModelInfo
+
+
+@dataclass
+class ServerState:
+    config: ServeConfig
+    loop: EngineLoop
+    metrics: ServerMetrics
+    draining: bool = False  # set when shutdown begins: no new requests from then on
+
+    @property
+    def ready(self) -> bool:
+        return self.loop.serving and not self.draining
+
+    def model_info(self) -> ModelInfo:
+        """For validation; 503 while the engine is still being built (or is gone)."""
+        if not self.ready:
+            self._refuse_unavailable()
+        return self.loop.info
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.served_model_name:
+            raise invalid(f"model: the model {name!r} does not exist; this server serves "
+                          f"{self.config.served_model_name!r}", "model", code="model_not_found")
+
+    def admit(self, n: int) -> None:
+        """Raises 503 rather than letting the queue grow without bound."""
+        if not self.ready:
+            self._refuse_unavailable()
+        waiting = self.loop.num_waiting()
+        if waiting + n > self.config.max_queue:
+            self.metrics.refused.labels("queue_full").inc()
+            raise unavailable(f"the server is at capacity ({waiting} requests waiting, "
+                              f"max_queue={self.config.max_queue}); retry later", "queue_full")
+
+    def _refuse_unavailable(self):
+        self.metrics.refused.labels("unavailable").inc()
+        if self.draining:
+            raise unavailable("the server is shutting down", "shutting_down")
+        raise unavailable(f"the engine is {self.loop.phase.value}", "not_ready")
