@@ -36,6 +36,9 @@ class EngineConfig:
     # A longer prompt is prefilled over several steps while the batch decodes on; each step
     # still takes at least 16 prompt tokens. The default is docs/benchmarks.md's pick.
     max_num_batched_tokens: int = 1024
+    # Full prompt blocks are kept under a hash of their token chain and reused by any later
+    # request whose prompt starts the same way (docs/architecture.md, "Prefix caching").
+    enable_prefix_caching: bool = False
     buckets: list[int] | None = None
     async_scheduling: bool | None = None  # default: on
     cuda_graphs: bool | None = None  # default: on with CUDA
@@ -97,6 +100,9 @@ class EngineConfig:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig, got "
                                  f"{type(self.speculative).__name__}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got "
+                             f"{self.enable_prefix_caching!r}")
         if self.async_scheduling is None:
             self.async_scheduling = True
         cuda = self.device.type == "cuda"

@@ -76,7 +76,7 @@ class Engine:
         # positions past the limit: the extra step after a finish, and K draft positions
         spec_k = cfg.speculative.num_tokens if cfg.speculative is not None else 0
         self.model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + spec_k)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching=cfg.enable_prefix_caching)
         spec, draft = cfg.speculative, None
         if spec is not None:
             draft = build_draft(spec, self.model, self.kv, max_len, cfg.seed)
@@ -239,12 +239,14 @@ class Engine:
         return dict(steps=st.steps, tokens=st.tokens, chain_breaks=st.chain_breaks,
                     idle_drains=st.idle_drains,
                     mean_batch=st.batch_size_sum / max(st.steps, 1),
+                    batch_rows=st.batch_size_sum,
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     prefilling=len(self.scheduler.prefilling),
                     prefill_chunks=sc.prefill_chunks,
                     paused=len(self.scheduler.paused), kv_used=self.pool.num_used,
                     kv_total=self.pool.num_blocks, pauses=sc.pauses, evictions=sc.evictions,
-                    admitted=sc.admitted)
+                    admitted=sc.admitted, prefix_query_tokens=sc.prefix_query_tokens,
+                    prefix_hit_tokens=sc.prefix_hit_tokens, cached_blocks=self.pool.num_cached)
 
     def has_unfinished(self) -> bool:
         if self._closed:

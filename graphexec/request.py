@@ -47,6 +47,7 @@ class Request:
     # many of them the chunks launched so far cover.
     prefill_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    block_keys: list[bytes] = field(default_factory=list)  # prefix caching: full blocks' keys
     text: RequestText | None = None  # with a tokenizer: the output text, stop strings
     # output tokens at which it ends by length: max_tokens, or the context limit if sooner
     output_limit: int = field(init=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .capture.prefill import MAX_PREFILL_SEQS, PrefillChunk, bucket_floor, token_buckets
 from .capture.state import NewRow, StepDelta, Variant
-from .block_pool import BlockPool
+from .block_pool import BlockPool, chain_hashes
 from .request import Request, Status
 
 
@@ -44,6 +44,8 @@ class SchedulerStats:
     deferred_releases: int = 0
     prefill_chunks: int = 0  # chunks that did not end their prompt
     prefill_evictions: int = 0  # evictions of a request in the middle of its prefill
+    prefix_query_tokens: int = 0  # prompt tokens admitted (recomputes included)
+    prefix_hit_tokens: int = 0  # of those, tokens whose KV a cached block already held
 
 
 class Scheduler:
@@ -219,18 +221,42 @@ class Scheduler:
                 break
             # the prompt, the first token, and what the first decode step may write after it
             need = self.blocks_for(min(req.num_tokens + 1 + self.spec_tokens, req.max_len))
-            if not self.pool.can_allocate(need):
-                break
-            self.waiting.pop(0)
-            req.blocks = self.pool.allocate(need)
             # evicted after sampling: rebuild the KV of all but its last token, which it
             # decodes on from
-            req.prefill_ids = req.prompt + req.output[:-1]
-            req.num_computed = 0
+            ids = req.prompt + req.output[:-1]
+            keys, hits = self._cached_prefix(ids)
+            # a cached block nobody holds is taken from the free list too
+            from_free = sum(1 for b in hits if self.pool.refcount(b) == 0)
+            if not self.pool.can_allocate(need - len(hits) + from_free):
+                break
+            self.waiting.pop(0)
+            for b in hits:
+                self.pool.take(b)
+            req.blocks = hits + self.pool.allocate(need - len(hits))
+            req.prefill_ids, req.block_keys = ids, keys
+            req.num_computed = len(hits) * self.block_size
+            self.stats.prefix_query_tokens += len(ids)
+            self.stats.prefix_hit_tokens += req.num_computed
             req.status = Status.PREFILLING
             bisect.insort(self.prefilling, req, key=lambda r: r.arrival)
             self.stats.admitted += 1
             budget -= self._chunk(req, budget, new_rows, entries, chunks, requests)
+
+    def _cached_prefix(self, ids: list[int]) -> tuple[list[bytes], list[int]]:
+        """The chain keys of the full blocks of `ids`, and the cached blocks its start matches.
+        The last token is always prefilled (its logits give the first sample), so the block
+        holding it is never taken from the cache."""
+        if not self.pool.enable_caching:
+            return [], []
+        bs = self.block_size
+        keys = chain_hashes(ids, bs, len(ids) // bs)
+        hits = []
+        for key in keys[:(len(ids) - 1) // bs]:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return keys, hits
 
     def _chunk(self, req: Request, budget: int, new_rows: list[NewRow],
                entries: list[tuple[int, int, int]], chunks: list[PrefillChunk],
@@ -252,6 +278,11 @@ class Scheduler:
             resume_token=req.output[-1] if last and req.output else None))
         requests.append(req)
         req.num_computed += n
+        # The blocks this chunk fills are cached from now on: any later reader runs after the
+        # chunk on the same stream.
+        for j in range(start // self.block_size, min(req.num_computed // self.block_size,
+                                                      len(req.block_keys))):
+            self.pool.register(req.blocks[j], req.block_keys[j])
         return n + int(last)
 
     def _add_row(self, req: Request, new_rows: list[NewRow],

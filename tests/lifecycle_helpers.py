@@ -1,5 +1,6 @@
 """Shared by the lifecycle tests: engines, random requests, and the invariants."""
 import random
+from collections import Counter
 
 from graphexec import Engine, SamplingParams
 
@@ -20,15 +21,18 @@ def random_params(rng: random.Random, greedy: bool, max_tokens: int) -> Sampling
 
 
 def check_blocks(engine: Engine) -> None:
-    """free + used == total; every used block belongs to a live request or waits for a step
-    still in flight."""
+    """free + used == total; every used block belongs to live requests or waits for a step
+    still in flight, and its reference count is the number of those owners (a block shared by
+    prefix caching has several); no block is both free and referenced."""
     pool, sched = engine.pool, engine.scheduler
     assert pool.num_free + pool.num_used == pool.num_blocks
-    owned = [b for r in engine.requests.values() for b in r.blocks]
-    deferred = [b for _, blocks in sched.deferred for b in blocks]
-    assert len(set(owned)) == len(owned), "a block is owned twice"
-    assert not set(owned) & set(deferred)
-    assert pool.num_used == len(owned) + len(deferred)
+    owners = Counter(b for r in engine.requests.values() for b in r.blocks)
+    owners.update(b for _, blocks in sched.deferred for b in blocks)
+    if not pool.enable_caching:
+        assert max(owners.values(), default=1) == 1, "a block is owned twice"
+    assert all(pool.refcount(b) == owners.get(b, 0) for b in range(pool.num_blocks))
+    assert not set(pool._free) & set(owners), "a free block is referenced"
+    assert pool.num_used == len(owners)
     if sched.deferred:
         oldest = min(s.plan.step_id for s in engine.in_flight) if engine.in_flight else None
         assert oldest is not None and all(sid >= oldest for sid, _ in sched.deferred)

@@ -42,6 +42,7 @@ class AsyncEqualsSync(RuleBasedStateMachine):
         self.out_async: dict = {}
         self.aborted: set[str] = set()
         self.count = 0
+        self.prompts: list[list[int]] = []
 
     @rule(prompt_len=st.integers(1, 300), max_tokens=st.integers(1, 64), greedy=st.booleans(),
           seed=st.integers(0, 2**16))
@@ -49,8 +50,12 @@ class AsyncEqualsSync(RuleBasedStateMachine):
         rng = random.Random(seed)
         prompt = [rng.randrange(2, 512) for _ in range(prompt_len)]
         params = random_params(rng, greedy, max_tokens)
+        self._submit(prompt, params)
+
+    def _submit(self, prompt, params):
         rid = f"r{self.count}"
         self.count += 1
+        self.prompts.append(prompt)
         self.sync.add_request(rid, prompt, params)
         self.asyn.add_request(rid, prompt, params)
 
@@ -107,7 +112,8 @@ class AsyncEqualsSync(RuleBasedStateMachine):
             assert not e.requests and not e.in_flight
         assert self.asyn.stats.chain_breaks == 0
         for e, name in ((self.sync, "sync"), (self.asyn, "async")):
-            for k in ("pauses", "evictions", "prefill_chunks", "prefill_evictions"):
+            for k in ("pauses", "evictions", "prefill_chunks", "prefill_evictions",
+                      "prefix_hit_tokens"):
                 TALLY[f"{name}_{k}"] = TALLY.get(f"{name}_{k}", 0) + getattr(
                     e.scheduler.stats, k)
 
@@ -154,23 +160,59 @@ class ChunkedAsyncEqualsWholeSync(AsyncEqualsSync):
     ASYNC_ENGINE = dict(max_num_batched_tokens=24)
 
 
-TestChunkedAsyncEqualsWholeSync = ChunkedAsyncEqualsWholeSync.TestCase
-TestChunkedAsyncEqualsWholeSync.settings = settings(
-    max_examples=20, stateful_step_count=40, deadline=None, derandomize=True, database=None,
-    suppress_health_check=[HealthCheck.too_slow])
-
-
-def test_chunked_state_machine_aborts_and_evicts_in_the_middle_of_prefills():
-    """The chunked program is only meaningful if prompts are cut and requests are aborted and
-    evicted while prefilling."""
+def test_chunked_async_equals_whole_sync_with_aborts_pauses_evictions_mid_prefill():
+    """The chunked program, checked as it runs; then that it was meaningful: prompts were cut,
+    requests aborted while prefilling, rows paused and evicted. (An eviction landing exactly
+    mid-prefill is rare at random: test_chunked_prefill.py forces one.)"""
     TALLY.clear()
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(ChunkedAsyncEqualsWholeSync, settings=settings(
-        max_examples=10, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        max_examples=20, stateful_step_count=40, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow]))
     assert all(TALLY.get(f"async_{k}", 0) > 0 for k in (
-        "prefill_chunks", "aborted_prefilling", "prefill_evictions", "pauses")), TALLY
+        "prefill_chunks", "aborted_prefilling", "evictions", "pauses")), TALLY
+
+
+# Prompts of the caching machine start with one of these, so later requests hit earlier blocks.
+PREFIXES = [[random.Random(100 + i).randrange(2, 512) for _ in range(n)]
+            for i, n in enumerate((40, 90, 170))]
+
+
+class CachedAsyncEqualsUncachedSync(ChunkedAsyncEqualsWholeSync):
+    """Async with prefix caching (and chunked prefill) against sync without either, on prompts
+    that share prefixes, under the same KV pressure, aborts, pauses and evictions. At the end
+    every cached block holds what a fresh prefill of its token chain writes."""
+
+    ASYNC_ENGINE = dict(max_num_batched_tokens=24, enable_prefix_caching=True)
+
+    @rule(which=st.integers(0, len(PREFIXES) - 1), suffix_len=st.integers(0, 60),
+          max_tokens=st.integers(1, 64), greedy=st.booleans(), seed=st.integers(0, 2**16))
+    def add_shared(self, which, suffix_len, max_tokens, greedy, seed):
+        rng = random.Random(seed)
+        suffix = [rng.randrange(2, 512) for _ in range(suffix_len)]
+        self._submit(PREFIXES[which] + suffix, random_params(rng, greedy, max_tokens))
+
+    def teardown(self):
+        super().teardown()
+        from test_prefix_caching import check_cached_blocks_hold_their_prefix
+
+        TALLY["cached_blocks_checked"] = TALLY.get("cached_blocks_checked", 0) + (
+            check_cached_blocks_hold_their_prefix(self.asyn, self.prompts))
+
+
+def test_cached_async_equals_uncached_sync_under_pressure():
+    """The caching program, checked as it runs; then that it was meaningful: prompts hit
+    cached blocks while rows were paused and evicted, and cached blocks were left to check."""
+    TALLY.clear()
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(CachedAsyncEqualsUncachedSync, settings=settings(
+        max_examples=20, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert all(TALLY.get(f"async_{k}", 0) > 0 for k in (
+        "prefix_hit_tokens", "evictions", "pauses", "prefill_chunks")), TALLY
+    assert TALLY.get("cached_blocks_checked", 0) > 0, TALLY
 
 
 class AsyncEqualsSyncOnGpu(AsyncEqualsSync):

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seeds the draws of requests that give no seed")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per step, decode rows plus prompt chunks")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="reuse the KV of prompt prefixes seen before")
     ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
     ap.add_argument("--projections", default=None, help="auto, cublas or triton")
     ap.add_argument("--speculative-draft", default=None,
@@ -77,6 +79,8 @@ def engine_options(args: argparse.Namespace, ap_error) -> dict:
     opts["async_scheduling"] = not args.sync
     if args.no_cuda_graphs:
         opts["cuda_graphs"] = False
+    if args.enable_prefix_caching:
+        opts["enable_prefix_caching"] = True
     # Options are checked here, before the port opens, rather than on the engine thread.
     try:
         if args.speculative_draft is not None:

@@ -46,6 +46,10 @@ class EngineSnapshot:
     pauses: int = 0
     evictions: int = 0
     chain_breaks: int = 0
+    batch_rows: int = 0  # rows over all launched steps (mean batch = batch_rows / steps)
+    cached_blocks: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
@@ -53,7 +57,10 @@ class EngineSnapshot:
         return cls(running=s["running"], waiting=s["waiting"] + s["paused"], paused=s["paused"],
                    kv_used=s["kv_used"], kv_total=s["kv_total"], steps=s["steps"],
                    tokens=s["tokens"], pauses=s["pauses"], evictions=s["evictions"],
-                   chain_breaks=s["chain_breaks"])
+                   chain_breaks=s["chain_breaks"], batch_rows=s["batch_rows"],
+                   cached_blocks=s["cached_blocks"],
+                   prefix_query_tokens=s["prefix_query_tokens"],
+                   prefix_hit_tokens=s["prefix_hit_tokens"])
 
 
 @dataclass(slots=True)

@@ -34,7 +34,9 @@ class _EngineCollector:
                   ("requests_paused", "Requests out of the batch under KV pressure, KV kept.",
                    s.paused),
                   ("kv_blocks_used", "KV cache blocks in use.", s.kv_used),
-                  ("kv_blocks_total", "KV cache blocks in the pool.", s.kv_total))
+                  ("kv_blocks_total", "KV cache blocks in the pool.", s.kv_total),
+                  ("kv_blocks_cached", "KV blocks holding a cached prompt prefix, in use or "
+                   "free (prefix caching).", s.cached_blocks))
         for name, doc, value in gauges:
             g = GaugeMetricFamily(f"graphexec_{name}", doc)
             g.add_metric([], value)
@@ -44,7 +46,13 @@ class _EngineCollector:
                     ("engine_evictions", "Requests evicted (KV dropped, recomputed later).",
                      s.evictions),
                     ("engine_chain_breaks", "Launches that waited for the device.",
-                     s.chain_breaks))
+                     s.chain_breaks),
+                    ("engine_batch_rows", "Rows over all launched steps (over engine_steps: "
+                     "the mean batch).", s.batch_rows),
+                    ("prefix_query_tokens", "Prompt tokens admitted, recomputes included.",
+                     s.prefix_query_tokens),
+                    ("prefix_hit_tokens", "Of those, tokens whose KV a cached block held.",
+                     s.prefix_hit_tokens))
         for name, doc, value in counters:
             c = CounterMetricFamily(f"graphexec_{name}", doc)
             c.add_metric([], value)
