@@ -6,11 +6,12 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 import bench_serve  # noqa: E402
-from bench_serve import Percentiles, RequestTrace  # noqa: E402
+from serve_report import Percentiles, RequestTrace  # noqa: E402
 from serve_workload import (LengthDist, WorkloadConfig, build_workloads,  # noqa: E402
                             offline_workload, online_workload, poisson_arrivals,
                             request_lengths, shared_prefix_workload)
@@ -134,8 +135,20 @@ SMALL = WorkloadConfig(num_requests=12, seed=5, prompt=LengthDist(24, 0.9, 16, 2
                        output=LengthDist(10, 0.7, 8, 512), system_prompt_len=48, turns=3)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the tiny engine: on a small CI machine busy with other processes,
+    OpenMP threads that spin against theirs make steps many times slower, and the tiny model
+    gains nothing from a second thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_driver_gives_every_request_its_length_and_builds_follow_up_prompts(async_scheduling):
+def test_driver_gives_every_request_its_length_and_builds_follow_up_prompts(async_scheduling,
+                                                                            one_thread):
     with Engine("tiny", max_batch=8, device="cpu", async_scheduling=async_scheduling) as engine:
         for wl in build_workloads(SMALL, ["online", "shared-prefix"], [200.0],
                                   engine.model_config.vocab_size, engine.max_model_len):
@@ -149,7 +162,7 @@ def test_driver_gives_every_request_its_length_and_builds_follow_up_prompts(asyn
                 assert len(tr.itl) >= spec.output_len - 2
 
 
-def test_end_to_end_offline_and_online_on_tiny(tmp_path):
+def test_end_to_end_offline_and_online_on_tiny(tmp_path, one_thread):
     argv = ["--model", "tiny", "--num-requests", "12", "--kinds", "offline", "online",
             "--rates", "100", "--modes", "async", "sync", "--prompt-median", "24",
             "--output-median", "10", "--max-batch", "8", "--warmup", "2",
@@ -170,6 +183,7 @@ def test_end_to_end_offline_and_online_on_tiny(tmp_path):
                                           "online@100 sync"]
     for r in runs:
         assert r["finished"] == r["num_requests"] == 12 and r["wrong_length"] == 0
+        assert r["transport"] == "in-process" and r["incomplete"] == 0 and r["problems"] == []
         assert r["output_tokens"] > 12 * 7 and r["wall_s"] > 0 and r["output_tok_s"] > 0
         assert r["total_tok_s"] > r["output_tok_s"]
         for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_s"):
@@ -187,3 +201,4 @@ def test_end_to_end_offline_and_online_on_tiny(tmp_path):
         steps = json.load(f)
     assert len(steps["offline async"]["step_ms"]) == len(steps["offline async"]["t_s"]) > 0
     assert "| offline async | 12 |" in (tmp_path / "serve_tiny.md").read_text()
+    assert saved["http_vs_in_process"] == []

@@ -20,10 +20,18 @@ Measured per run, from host timestamps taken when Engine.step returns:
   it: this is decode-busy, not all GPU work.
 - mean decode step time: wall / engine steps (prefill, host and idle time included).
 
+With --http URL (a running `python -m graphexec.serve`) or --http auto (one started per mode
+with the same engine options), the same requests also go through the server from concurrent
+streaming clients (tools/bench_http.py); those rows are labelled "... http", timed from SSE
+chunk arrivals, and compared with the in-process rows (output tok/s, HTTP / in-process). Every
+request, either way, must come back complete with exactly its asked length: the command fails,
+after writing the report, if one does not.
+
 Writes serve_<model>.json (every number, the options, the command, commit, date, device),
 serve_<model>.md (the table, also printed), serve_<model>_steps.json (per-step host wall time,
 batch size, GPU time per iteration) and serve_<model>.png (latency against request rate for the
-online runs, and the step-time timeline of one run); the report is tools/serve_report.py.
+online runs, and the step-time timeline of one run); the report is tools/serve_report.py. An
+auto-started server's output goes to serve_<model>_server_<mode>.log.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -45,58 +53,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graphexec import Engine, SamplingParams, SpeculativeConfig  # noqa: E402
-from serve_report import markdown, plot  # noqa: E402
+from serve_report import (IncompleteRun, RequestTrace, RunResult, RunTrace,  # noqa: E402
+                          StepSample, http_vs_in_process, markdown, plot, summarize)
 from serve_workload import (LengthDist, RequestSpec, Workload, WorkloadConfig,  # noqa: E402
                             build_workloads)
 
 KINDS = ("offline", "online", "shared-prefix")
 MODES = {"async": True, "sync": False}
-# stats_summary() keys that count from the engine's start: a run reports its own increase.
-CUMULATIVE = ("steps", "tokens", "chain_breaks", "idle_drains", "pauses", "evictions",
-              "admitted")
 
 
 # -- the driver ---------------------------------------------------------------------------------
-
-@dataclass
-class RequestTrace:
-    request_id: str
-    arrival: float  # s since the run started
-    prompt_len: int
-    asked: int
-    first_token: float | None = None
-    finish: float | None = None
-    tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    _last: float = 0.0
-
-    def on_tokens(self, t: float, n: int) -> None:
-        if n == 0:
-            return
-        if self.first_token is None:
-            self.first_token = t
-        else:
-            self.itl += [(t - self._last) / n] * n
-        self._last = t
-        self.tokens += n
-
-
-@dataclass
-class StepSample:
-    t: float  # when Engine.step returned, s since the run started
-    wall: float  # s inside Engine.step
-    tokens: int  # new tokens it returned
-    batch: float | None  # rows launched (engine.stats), when readable
-
-
-@dataclass
-class RunTrace:
-    requests: dict[str, RequestTrace]
-    steps: list[StepSample]
-    wall: float
-    drafted: int = 0
-    accepted: int = 0
-
 
 def _batch_sum(engine: Engine) -> int | None:
     stats = getattr(engine, "stats", None)
@@ -161,97 +127,6 @@ def _submit(engine: Engine, spec: RequestSpec, prompts: dict[str, list[int]]) ->
     return prompt
 
 
-# -- metrics ------------------------------------------------------------------------------------
-
-@dataclass
-class Percentiles:
-    """Linear interpolation between closest ranks (numpy's default); None with no samples."""
-
-    p50: float | None
-    p90: float | None
-    p99: float | None
-    max: float | None
-    mean: float | None
-
-    @classmethod
-    def of(cls, values, scale: float = 1.0) -> "Percentiles":
-        if len(values) == 0:
-            return cls(None, None, None, None, None)
-        a = np.asarray(values, dtype=np.float64) * scale
-        p50, p90, p99 = np.percentile(a, [50, 90, 99])
-        return cls(float(p50), float(p90), float(p99), float(a.max()), float(a.mean()))
-
-
-@dataclass
-class RunResult:
-    label: str
-    kind: str
-    rate: float | None
-    mode: str
-    num_requests: int
-    finished: int
-    wrong_length: int  # finished requests whose output length differs from the asked one
-    wall_s: float
-    arrival_span_s: float
-    prompt_tokens: int
-    output_tokens: int
-    output_tok_s: float
-    total_tok_s: float
-    ttft_ms: Percentiles
-    itl_ms: Percentiles
-    tpot_ms: Percentiles
-    latency_s: Percentiles
-    steps: int
-    mean_batch: float | None
-    mean_step_ms: float
-    gpu_decode_busy_frac: float | None
-    gpu_iterations: int | None
-    spec_acceptance: float | None
-    triton_compiles_in_run: int
-    engine: dict
-
-
-def summarize(workload: Workload, mode: str, trace: RunTrace, stats_before: dict,
-              stats_after: dict, gpu_ms: list[float] | None, compiles: int) -> RunResult:
-    reqs = list(trace.requests.values())
-    done = [r for r in reqs if r.finish is not None]
-    out_tokens = sum(r.tokens for r in reqs)
-    prompt_tokens = sum(r.prompt_len for r in reqs)
-    engine = engine_counters(stats_before, stats_after)
-    steps = engine.get("steps", len(trace.steps))
-    wall = trace.wall
-    return RunResult(
-        label=f"{workload.label} {mode}", kind=workload.kind, rate=workload.rate, mode=mode,
-        num_requests=len(workload.requests), finished=len(done),
-        wrong_length=sum(r.tokens != r.asked for r in done), wall_s=wall,
-        arrival_span_s=max((r.arrival for r in reqs), default=0.0),
-        prompt_tokens=prompt_tokens, output_tokens=out_tokens,
-        output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + prompt_tokens) / wall,
-        ttft_ms=Percentiles.of([r.first_token - r.arrival for r in done], 1e3),
-        itl_ms=Percentiles.of([g for r in reqs for g in r.itl], 1e3),
-        tpot_ms=Percentiles.of([(r.finish - r.first_token) / (r.tokens - 1) for r in done
-                                if r.tokens > 1], 1e3),
-        latency_s=Percentiles.of([r.finish - r.arrival for r in done]),
-        steps=steps, mean_batch=engine.get("mean_batch"),
-        mean_step_ms=wall / max(steps, 1) * 1e3,
-        gpu_decode_busy_frac=None if gpu_ms is None else sum(gpu_ms) / 1e3 / wall,
-        gpu_iterations=None if gpu_ms is None else len(gpu_ms),
-        spec_acceptance=trace.accepted / trace.drafted if trace.drafted else None,
-        triton_compiles_in_run=compiles, engine=engine)
-
-
-def engine_counters(before: dict, after: dict) -> dict:
-    """The run's share of stats_summary(): increases of the cumulative counters, the batch mean
-    over the run's steps, and the rest (queue lengths, KV use) as of the run's end."""
-    out = {k: v for k, v in after.items() if isinstance(v, (int, float))}
-    for k in CUMULATIVE:
-        if k in before and k in after:
-            out[k] = after[k] - before[k]
-    if {"steps", "mean_batch"} <= before.keys() & after.keys():
-        rows = after["mean_batch"] * after["steps"] - before["mean_batch"] * before["steps"]
-        out["mean_batch"] = rows / max(out["steps"], 1)
-    return out
-
 
 # -- engines ------------------------------------------------------------------------------------
 
@@ -301,21 +176,30 @@ def build_engine(model: str, options: dict) -> Engine:
                          f"Options passed: {sorted(options)}") from e
 
 
-def warm_up(engine: Engine, num: int) -> None:
-    """Short requests of a few prompt lengths, together then alone, so JIT compiles and first
-    launches happen before any timed run (graphs are captured when the engine is built)."""
-    vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
+WARMUP_TOKENS = 6  # output tokens of each warm-up request
+
+
+def warmup_prompts(vocab: int, max_len: int, kv_tokens: int,
+                   num: int) -> list[list[list[int]]]:
+    """Short requests of a few prompt lengths: `num` together, then one alone, so that JIT
+    compiles and first launches happen before any timed run (graphs are captured when the
+    engine is built). Both drivers send these same prompts."""
     # a small KV cache (--num-kv-blocks) must still hold each warm-up request alone
-    kv_tokens = engine.stats_summary()["kv_total"] * engine.config.block_size
     longest = max(16, min(max_len, kv_tokens // 2) - 16)
     rng = np.random.default_rng(12345)
     lengths = [min(n, longest) for n in (16, 50, 200, 700, 33, 120, 400, 1500)]
     batches = [[lengths[i % len(lengths)] for i in range(num)], [lengths[0]]]
+    return [[rng.integers(3, vocab, size=n).tolist() for n in batch] for batch in batches]
+
+
+def warm_up(engine: Engine, num: int) -> None:
+    kv_tokens = engine.stats_summary()["kv_total"] * engine.config.block_size
+    batches = warmup_prompts(engine.model_config.vocab_size, engine.max_model_len, kv_tokens,
+                             num)
     for b, batch in enumerate(batches):
-        for i, n in enumerate(batch):
-            ids = rng.integers(3, vocab, size=n).tolist()
-            engine.add_request(f"warmup-{b}-{i}", ids,
-                               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        for i, ids in enumerate(batch):
+            engine.add_request(f"warmup-{b}-{i}", ids, SamplingParams(
+                max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
 
@@ -359,18 +243,19 @@ def run_mode(args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
         results, series = [], {}
         for wl in workloads:
             res, steps = run_one(engine, wl, mode)
-            print(json.dumps(_row_brief(res)), flush=True)
+            print(json.dumps(row_brief(res)), flush=True)
             results.append(res)
             series[res.label] = steps
         info = dict(max_batch=engine.config.max_batch, max_model_len=engine.max_model_len,
                     kv_blocks=engine.stats_summary().get("kv_total"),
+                    vocab_size=engine.model_config.vocab_size,
                     options={k: repr(v) if k == "speculative" else v for k, v in options.items()})
         return results, series, info
     finally:
         engine.close()
 
 
-def _row_brief(r: RunResult) -> dict:
+def row_brief(r: RunResult) -> dict:
     return dict(run=r.label, wall_s=round(r.wall_s, 3), out_tok_s=round(r.output_tok_s, 1),
                 ttft_p50_ms=r.ttft_ms.p50, itl_p50_ms=r.itl_ms.p50, steps=r.steps)
 
@@ -420,6 +305,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to Engine, repeatable (values parsed as Python literals)")
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests per engine")
+    ap.add_argument("--http", default=None, metavar="URL|auto",
+                    help="also send the requests through a server: the URL of a running "
+                         "`python -m graphexec.serve`, or auto to start one per mode with the "
+                         "in-process engine's options (tools/bench_http.py)")
+    ap.add_argument("--http-only", action="store_true",
+                    help="with --http: skip the in-process runs")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="--http: streams open at once (default: no limit for offline and "
+                         "shared-prefix, as in-process; 2 x max_batch for online)")
+    ap.add_argument("--server-timeout", type=float, default=900.0,
+                    help="--http auto: seconds the server may take to answer /health")
     ap.add_argument("--out", default="out")
     ap.add_argument("--docs", default=None, help="also append the tables to this file")
     return ap.parse_args(argv)
@@ -437,6 +333,19 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         turns=args.turns)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    if args.http is not None and args.http != "auto" and not args.http.startswith(
+            ("http://", "https://")):
+        raise ValueError(f"--http {args.http!r}: expected a URL (http://host:port) or auto")
+    if args.http_only and args.http is None:
+        raise ValueError("--http-only needs --http URL or --http auto")
+    if args.http not in (None, "auto") and len(args.modes) != 1:
+        raise ValueError(f"--http {args.http}: a running server has one scheduling mode; "
+                         f"give it as the one --modes (got {args.modes})")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -446,20 +355,42 @@ def main(argv: list[str] | None = None) -> dict:
             parse_engine_option(o)
         if args.speculative is not None:
             parse_speculative(args.speculative)
+        check_args(args)
     except ValueError as e:
         raise SystemExit(str(e)) from e
+    if args.http is not None:
+        import bench_http  # only here: it needs httpx, which in-process runs do not
     os.makedirs(args.out, exist_ok=True)
     meta = metadata(args, argv)
-    results, series, engines = [], {}, {}
+    results, series, engines, servers = [], {}, {}, {}
     for mode in args.modes:
-        res, steps, info = run_mode(args, mode, cfg)
-        results += res
-        series.update(steps)
-        engines[mode] = info
+        if not args.http_only:
+            res, steps, engines[mode] = run_mode(args, mode, cfg)
+            results += res
+            series.update(steps)
+        if args.http is not None:
+            res, steps, servers[mode] = bench_http.run_mode(args, mode, cfg, engines.get(mode))
+            results += res
+            series.update(steps)
     meta["engines"] = engines
+    if servers:
+        meta["servers"] = servers
     meta["workload"] = asdict(cfg)  # the length distributions, clips and seed behind the runs
-    report = dict(meta=meta, runs=[asdict(r) for r in results])
-    return _write(args, report, results, series)
+    report = dict(meta=meta, runs=[asdict(r) for r in results],
+                  http_vs_in_process=http_vs_in_process(results))
+    report = _write(args, report, results, series)
+    fail_if_incomplete(results)
+    return report
+
+
+def fail_if_incomplete(results: list[RunResult]) -> None:
+    """After the report is written (it holds the details): a lost request fails the command."""
+    bad = [r for r in results if r.incomplete]
+    if not bad:
+        return
+    lines = [f"{r.label}: {r.incomplete} of {r.num_requests} requests did not come back whole, "
+             f"e.g. {'; '.join(r.problems[:3])}" for r in bad]
+    raise IncompleteRun("\n".join(lines))
 
 
 def _write(args: argparse.Namespace, report: dict, results: list[RunResult],
