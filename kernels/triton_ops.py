@@ -135,14 +135,14 @@ def auto_ops(max_rows: int) -> Ops:
 # weights of up to this many elements, and the attention after it fetching its first KV tile
 # before its PDL wait (which a cuBLAS kernel in front would not let start early): llama-1b's
 # 3072 x 2048 at batch 64 1.4415 / 1.4386 ms a step against 1.4767 / 1.4811, at 48 1.4525
-# against 1.4934; llama-8b's 6144 x 4096 6.759 against 6.6606 (H100, stop 16, call 11).
+# against 1.4934; llama-8b's 6144 x 4096 6.759 against 6.6606 (H100, 2026-11-24, 659e267).
 FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 
 
 # The LM head of a 33-64-row batch on the tensor-core Triton kernel (after the norm kernel, as a
 # PDL dependent, its first weight tiles warmed in L2 by the last down projection) instead of
-# cuBLAS (H100, decode_variants, 2026-11-24, stop 19): llama-1b batch 64 1.3291 ms a step
-# against 1.3426 / 1.3461 in one call, level within noise in another (1.3491-1.3571 against
+# cuBLAS (H100, decode_variants, 2026-11-24, 71f9502..8fb8a15): llama-1b batch 64 1.3291 ms a
+# step against 1.3426 / 1.3461 on one machine, level within noise on another (1.3491-1.3571 against
 # 1.3409-1.3509); batch 48 1.3547 against 1.3658; llama-8b batch 64 6.999 against 7.102. Alone
 # (tune_fused --wide, 64 rows) 194.2 us against cuBLAS's 195.4 at 64 x 64 tiles, 191.9 at the
 # shipped 128 x 128 x 3 stages, which was ahead of 64 x 64 in GPU busy in three of three pairs

@@ -22,7 +22,8 @@ Who runs the projections above one row (the default "auto": cuBLAS; run these at
   auto-rows1, auto-rows8
                    "auto" with Triton for every projection up to 1 / 8 rows (a batch-1
                    speculative verify of K = 4 has 5)
-Stop 14 changes, each undone alone (compare with shipped in the same call), and all together:
+The changes of commit 82d61d2, each undone alone (compare with shipped in the same run on the
+same machine), and all together:
   two-pass    the fused norm's mean-square pass before the loop (NORM_ONE_PASS = False)
   final-norm-separate
               the final add + RMSNorm as its own kernel before the LM head (one-row batches)
@@ -33,8 +34,9 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   tail-not-dependent
               the kernels after the LM head (stop-token mask, sampling, advance) launch
               normally, not as programmatic dependents (pdl.TAIL = False)
-  stop13      the four together: the decode step as stop 13 shipped it, but for the sampled
-              tokens' copy, which the advance kernel now does
+  undo-82d61d2
+              the four together: the decode step as commit d1e2686 had it, but for the
+              sampled tokens' copy, which the advance kernel now does
   lmhead-cublas
               the LM head on cuBLAS from 2 rows (shipped: Triton up to WIDE_MAX_ROWS rows)
   small-o, small-o-lmhead, small-o-lmhead-qkv, small-o-lmhead-qkv-down
@@ -51,7 +53,7 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   fused-norm64
               qkv, gate_up and the LM head as Triton projections with the one-pass norm fused
               in up to 64 rows (run at --batch 64; "auto" runs the norm, then cuBLAS)
-  unfused     no epilogue-fused projections (the default before they came, stop 16)
+  unfused     no epilogue-fused projections (the default before commit 1309bc7)
   fused       triton_ops.fused_ops over "auto" for --fused-rows (default 2..64): o and down
               with the residual add in their epilogue, gate_up with silu * mul in its;
               --fused-config KIND=BM,BN,BK,SPLIT,WARPS,STAGES (KIND gate_up, qkv, add, or
@@ -60,14 +62,15 @@ Stop 14 changes, each undone alone (compare with shipped in the same call), and 
   attn-splits2, attn-splits3
               decode attention with 2 / 3 context splits per row at every batch size
   no-prenorm  no norm begun in the epilogue of o and down (triton_ops.PRENORM = False): the
-              norm kernels between them and gate_up / qkv at 33-64 rows, as in stop 16
+              norm kernels between them and gate_up / qkv at 33-64 rows, as before commit cf8b75c
   lmhead-cublas64
               the LM head of 33-64-row batches on cuBLAS after the norm kernel (shipped: the
               tensor-core Triton kernel, triton_ops.FUSED_LM_HEAD; --fused-config lm_head=...
               picks its tile)
   d2h-copy    decode tokens reach the host through a D2H copy after each replay, not through
               the pinned mailbox the iteration's last kernel writes (runner.ZERO_COPY_RESULTS)
-  stop18      d2h-copy and lmhead-cublas64 together: the step as stop 18 shipped it
+  d2h-copy-lmhead-cublas64
+              d2h-copy and lmhead-cublas64 together: the step as commit 275f4cb had it
   no-l2-prefetch
               the fused projections do not warm L2 with the next projection's weight
               (--l2 sets how much they do, by kind)
@@ -202,7 +205,7 @@ def _attention_block_n(n: int) -> None:
     attention_triton.DECODE_TUNING["block_n"] = n
 
 
-def _stop13() -> None:
+def _undo_82d61d2() -> None:
     _two_pass()
     _final_norm_separate()
     _no_prefetch()
@@ -310,29 +313,29 @@ def _attention_splits(n: int) -> None:
     attention_triton._decode_num_splits = lambda *args: n
 
 
-STOP14_VARIANTS = {"cublaslt": _cublaslt,
-                   "attn-splits2": partial(_attention_splits, 2),
-                   "attn-splits3": partial(_attention_splits, 3),
-                   "two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
-                   "no-prefetch": _no_prefetch, "stop13": _stop13,
-                   "prefetch-all": partial(_set_tuning, "prefetch", 1),
-                   "tail-not-dependent": _tail_not_dependent,
-                   "attn-block16": partial(_attention_block_n, 16),
-                   "attn-block32": partial(_attention_block_n, 32),
-                   "attn-block64": partial(_attention_block_n, 64),
-                   "fused-norm64": partial(_fused_norm_rows, 64),
-                   "lmhead-cublas": _lm_head_cublas,
-                   "small-o": partial(_small_rows_triton, "o"),
-                   "small-o-lmhead": partial(_small_rows_triton, "o+lm_head"),
-                   "small-o-lmhead-qkv": partial(_small_rows_triton, "o+lm_head+qkv"),
-                   "small-qkv-fused": partial(_small_rows_triton, "qkv-fused"),
-                   "lmhead64": partial(_small_rows_triton, "lm_head", 64),
-                   "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
-                   "small-o-lmhead-qkv-down": partial(_small_rows_triton,
-                                                      "o+lm_head+qkv+down"),
-                   "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
-                   "no-l2-prefetch": _no_l2_prefetch, "lmhead-cublas64": _lm_head_cublas64,
-                   "d2h-copy": _d2h_copy}
+STEP_VARIANTS = {"cublaslt": _cublaslt,
+                 "attn-splits2": partial(_attention_splits, 2),
+                 "attn-splits3": partial(_attention_splits, 3),
+                 "two-pass": _two_pass, "final-norm-separate": _final_norm_separate,
+                 "no-prefetch": _no_prefetch, "undo-82d61d2": _undo_82d61d2,
+                 "prefetch-all": partial(_set_tuning, "prefetch", 1),
+                 "tail-not-dependent": _tail_not_dependent,
+                 "attn-block16": partial(_attention_block_n, 16),
+                 "attn-block32": partial(_attention_block_n, 32),
+                 "attn-block64": partial(_attention_block_n, 64),
+                 "fused-norm64": partial(_fused_norm_rows, 64),
+                 "lmhead-cublas": _lm_head_cublas,
+                 "small-o": partial(_small_rows_triton, "o"),
+                 "small-o-lmhead": partial(_small_rows_triton, "o+lm_head"),
+                 "small-o-lmhead-qkv": partial(_small_rows_triton, "o+lm_head+qkv"),
+                 "small-qkv-fused": partial(_small_rows_triton, "qkv-fused"),
+                 "lmhead64": partial(_small_rows_triton, "lm_head", 64),
+                 "small-o-qkv-fused": partial(_small_rows_triton, "o+qkv-fused"),
+                 "small-o-lmhead-qkv-down": partial(_small_rows_triton,
+                                                    "o+lm_head+qkv+down"),
+                 "no-norms-timing": _no_norms_timing, "no-prenorm": _no_prenorm,
+                 "no-l2-prefetch": _no_l2_prefetch, "lmhead-cublas64": _lm_head_cublas64,
+                 "d2h-copy": _d2h_copy}
 
 
 def _auto_rows(max_rows: int) -> None:
@@ -377,8 +380,8 @@ def _override_one_row(m1: str | None, m1_norm: str | None, only_n: int | None = 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("variant",
-                    choices=list(VARIANTS) + list(ATTENTION_VARIANTS) + list(STOP14_VARIANTS)
-                    + ["fused", "unfused", "stop18"])
+                    choices=list(VARIANTS) + list(ATTENTION_VARIANTS) + list(STEP_VARIANTS)
+                    + ["fused", "unfused", "d2h-copy-lmhead-cublas64"])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
@@ -427,9 +430,9 @@ def main() -> None:
         _fused(args.fused_rows, [])
     elif args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
-    elif args.variant in STOP14_VARIANTS:
-        STOP14_VARIANTS[args.variant]()
-    elif args.variant == "stop18":
+    elif args.variant in STEP_VARIANTS:
+        STEP_VARIANTS[args.variant]()
+    elif args.variant == "d2h-copy-lmhead-cublas64":
         _d2h_copy()
         _lm_head_cublas64()
     elif args.variant in OP_SET_VARIANTS:

@@ -48,7 +48,7 @@ def candidates(m: int, kind: str, wide: bool = False) -> list[lt.LinearConfig]:
             [3, 4] if wide else [4, 5],
             [4, 8] if wide else [4]):
         if kind == "silu" and (bn == 16 or bk == 128 and bn < 64):
-            continue  # two accumulators: wide tiles spill, narrow ones did not pay (call 1)
+            continue  # two accumulators: wide tiles spill, narrow ones did not pay (at 1309bc7)
         if warps == 8 and bn < 128 and kind != "silu" or wide and split > 1 and bn < 32:
             continue
         if kind == "lm_head" and (bn < 32 or split > 1):
