@@ -53,6 +53,9 @@ class EngineConfig:
     # that computes what the target computes is then accepted every time, in bf16 too.
     batch_invariant: bool = False
     speculative: object | None = None  # a SpeculativeConfig
+    # Ranks the model is split over (the vLLM name): one process each, rank 0 this one; on
+    # CUDA one device each, from `device` on (docs/architecture.md, "Tensor parallelism").
+    tensor_parallel_size: int = 1
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
     graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
 
@@ -65,6 +68,7 @@ class EngineConfig:
             raise ValueError(f"device={dev!r} is not a valid torch device") from e
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={dev!r}: CUDA is not available on this machine")
+        self._check_tensor_parallel_size()
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         elif isinstance(self.dtype, str):
@@ -123,3 +127,13 @@ class EngineConfig:
             if self.dtype == torch.float32:  # its projections are bf16/fp16 kernels
                 raise ValueError("batch_invariant=True needs dtype bfloat16 or float16, got "
                                  "dtype=float32")
+
+    def _check_tensor_parallel_size(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if self.device.type == "cuda":
+            first, count = self.device.index or 0, torch.cuda.device_count()
+            if first + tp > count:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices from "
+                                 f"{self.device} on, this machine has {count}")

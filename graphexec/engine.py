@@ -18,18 +18,17 @@ import torch
 
 from .block_pool import BlockPool
 from .config import EngineConfig
-from .model import KVCache, LlamaModel, ModelConfig, load_model, resolve_model
+from .model import resolve_model
+from .model.loader import read_model_config
 from .outputs import RequestOutput
 from .request import Request, Status
 from .request_text import RequestText
-from .capture.prefill import token_buckets
-from .capture.state import Variant
-from .runner import Launched, ModelRunner
+from .parallel import build_ranks
+from .rank import kv_bytes_per_block, resolve_max_model_len  # noqa: F401 (tools import the first)
+from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Plan, Scheduler
-from .spec import build_draft
 from .tokenizer import load_tokenizer
-from .kernels import select_ops
 
 
 @dataclass
@@ -61,42 +60,18 @@ class Engine:
         self.config = cfg = EngineConfig(model=model, **options)
         if cfg.manifest is not None:
             _apply_manifest(cfg)
-        self.model_config, weights, self.tokenizer = _load_model(cfg)
-        mc = self.model_config
-        max_len = cfg.max_model_len or min(mc.max_position_embeddings, 4096)
-        if mc.sliding_window is not None:
-            max_len = min(max_len, mc.sliding_window)  # no windowed attention: stay inside it
-        if max_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}")
-        self.max_model_len = max_len
-        num_blocks = _num_kv_blocks(cfg, mc, max_len)
-        self.kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
-        ops = select_ops(cfg.device, cfg.use_triton, cfg.projections, cfg.batch_invariant)
-        # positions past the limit: the extra step after a finish, and K draft positions
-        spec_k = cfg.speculative.num_tokens if cfg.speculative is not None else 0
-        self.model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + spec_k)
-        self.pool = BlockPool(num_blocks, enable_caching=cfg.enable_prefix_caching)
-        spec, draft = cfg.speculative, None
-        if spec is not None:
-            draft = build_draft(spec, self.model, self.kv, max_len, cfg.seed)
-        k = spec.num_tokens if spec is not None else 0
-        # the largest prefill a step runs: the whole budget when no row decodes
-        self.runner = ModelRunner(self.model, self.kv, cfg.max_batch, max_len, cfg.block_size,
-                                  scratch_block=num_blocks, draft=draft, num_spec_tokens=k,
-                                  max_prefill_tokens=cfg.max_num_batched_tokens)
+        source = resolve_model(cfg.model)
+        self.model_config = mc = read_model_config(source)
+        self.max_model_len = max_len = resolve_max_model_len(cfg, mc)
+        self.tokenizer = load_tokenizer(source)
+        # Rank 0's model, cache and runner; at tensor_parallel_size > 1 the workers that hold
+        # the other shards run every launch of self.runner too (graphexec/parallel/).
+        rank, self.workers = build_ranks(cfg, source, mc, max_len)
+        self.kv, self.model, self.runner = rank.kv, rank.model, rank.runner
+        self.pool = BlockPool(rank.num_blocks, enable_caching=cfg.enable_prefix_caching)
+        k = self.runner.k
         self.scheduler = Scheduler(self.pool, cfg.block_size, cfg.max_batch, cfg.buckets,
                                    cfg.max_num_batched_tokens, spec_tokens=k)
-        if cfg.cuda_graphs:
-            from .capture.graphs import GraphSet
-
-            with_lp = (False, True) if cfg.capture_logprobs else (False,)
-            variants = [Variant(lp, f) for lp in with_lp for f in (False, True)]
-            if k:  # the all-greedy speculative iteration
-                variants += [Variant(lp, False, sampled=False) for lp in with_lp]
-            self.runner.graphs = GraphSet.capture(
-                self.runner, cfg.buckets, variants,
-                prefill_tokens=token_buckets(cfg.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[_InFlight] = deque()
         self.stats = EngineStats()
@@ -115,9 +90,14 @@ class Engine:
         another should close each. Unfinished requests are dropped. Idempotent."""
         if self._closed:
             return
-        if self.config.device.type == "cuda":
-            torch.cuda.synchronize(self.config.device)  # steps in flight still use the buffers
+        # Steps in flight still use the buffers; after a tensor-parallel failure they may wait
+        # on a dead rank forever, and nothing will read them.
+        tp_failed = self.workers is not None and self.workers.failure is not None
+        if self.config.device.type == "cuda" and not tp_failed:
+            torch.cuda.synchronize(self.config.device)
         self._closed = True
+        if self.workers is not None:
+            self.workers.close()
         self.requests.clear()
         self.in_flight.clear()
         self._aborted = []
@@ -366,44 +346,3 @@ def _apply_manifest(cfg: EngineConfig) -> None:
     cfg.buckets = m.buckets_within(cfg.graph_memory_mib)
     cfg.max_batch = min(cfg.max_batch, max(cfg.buckets))
     cfg.buckets = [b for b in cfg.buckets if b <= cfg.max_batch]
-
-
-def _load_model(cfg: EngineConfig):
-    """An HF dir, a GGUF file (or a dir holding one), a shipped model's name, or a preset."""
-    source = resolve_model(cfg.model)
-    mc, weights = load_model(source, cfg.device, cfg.dtype, seed=cfg.seed)
-    return mc, weights, load_tokenizer(source)
-
-
-def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
-
-
-def _num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, max_len: int) -> int:
-    if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks
-    per_block = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
-    if cfg.kv_cache_memory is not None:
-        n = cfg.kv_cache_memory // per_block
-        if n < 1:
-            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} bytes holds no block "
-                             f"({per_block} bytes each)")
-        return n
-    full = cfg.max_batch * -(-max_len // cfg.block_size)  # every row at the context limit
-    if cfg.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(cfg.device)
-        budget = int(free * 0.6)
-    else:
-        budget = 2 << 30
-    return max(1, min(full, budget // per_block))
-
-
-def _allocate_kv(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> KVCache:
-    shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
-    kv = KVCache()
-    for _ in range(mc.num_layers):
-        kv.k.append(torch.zeros(shape, dtype=dtype, device=device))
-        kv.v.append(torch.zeros(shape, dtype=dtype, device=device))
-    return kv

@@ -44,19 +44,23 @@ def build_draft(spec: SpeculativeConfig, target: LlamaModel, target_kv: KVCache,
         weights = ModelWeights(embed=w.embed, layers=w.layers[:n], norm=w.norm,
                                lm_head=w.lm_head)
         model = LlamaModel(replace(tc, num_layers=n), weights, target.ops,
-                           max_positions=target.cos.shape[0])
+                           max_positions=target.cos.shape[0], shard=target.shard)
         return DraftModel(model, KVCache(target_kv.k[:n], target_kv.v[:n]),
                           shares_target_kv=True)
     device, dtype = target.device, target.dtype
-    # an HF dir, a GGUF file or a shipped model's name; a preset gets random weights
-    dc, weights = load_model(resolve_model(spec.draft), device, dtype, seed=seed + 1)
+    # an HF dir, a GGUF file or a shipped model's name; a preset gets random weights. Under
+    # tensor parallelism the draft is split over the ranks like the target.
+    shard = target.shard
+    dc, weights = load_model(resolve_model(spec.draft), device, dtype, seed=seed + 1,
+                             shard=shard)
     if dc.vocab_size != tc.vocab_size:
         raise ValueError(f"draft={spec.draft!r} has vocab_size={dc.vocab_size}, the target "
                          f"has {tc.vocab_size}: they must share the vocabulary")
     if dc.max_position_embeddings < max_model_len:
         raise ValueError(f"draft={spec.draft!r} supports {dc.max_position_embeddings} "
                          f"positions, less than max_model_len={max_model_len}")
-    model = LlamaModel(dc, weights, target.ops, max_positions=target.cos.shape[0])
+    dc = shard.config(dc)
+    model = LlamaModel(dc, weights, target.ops, max_positions=target.cos.shape[0], shard=shard)
     shape = (target_kv.k[0].shape[0], target_kv.k[0].shape[1], dc.num_kv_heads, dc.head_dim)
     kv = KVCache([torch.zeros(shape, dtype=dtype, device=device) for _ in range(dc.num_layers)],
                  [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dc.num_layers)])

@@ -15,6 +15,7 @@ import torch
 
 from .config import ModelConfig, RopeScaling
 from .llama import LayerWeights, ModelWeights
+from .shard import COLUMN_PARALLEL, ROW_PARALLEL, UNSHARDED, Shard
 
 GGUF_MAGIC = b"GGUF"
 
@@ -223,11 +224,15 @@ class _GGUFTensors:
     device: torch.device
     dtype: torch.dtype
     permute_heads: dict[str, int] = field(default_factory=dict)  # name suffix -> head count
+    shard: Shard = UNSHARDED
 
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], split: int | None = None) -> torch.Tensor:
+        """The tensor, or with `split` (a dim) this rank's slice of it. Quantized blocks span
+        rows, so the whole tensor is dequantized on the host and sliced there: only the slice
+        reaches the device."""
         t = self.gf.tensors.get(name)
         if t is None:
             raise ValueError(f"model={self.gf.path!r}: tensor {name!r} is missing")
@@ -240,36 +245,37 @@ class _GGUFTensors:
         for suffix, heads in self.permute_heads.items():
             if name.endswith(suffix):
                 w = _unpermute_rope_rows(w, heads)
-        return w.to(device=self.device, dtype=self.dtype)
+        return self.shard.part(w, split).to(device=self.device, dtype=self.dtype)
 
 
 def load_gguf_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
-                      dtype: torch.dtype) -> ModelWeights:
+                      dtype: torch.dtype, shard: Shard = UNSHARDED) -> ModelWeights:
     c = config
     permute = {}
     if gf.arch == "llama":  # qwen2/qwen3 convert without the permutation (neox rotary)
         permute = {".attn_q.weight": c.num_heads, ".attn_q.bias": c.num_heads,
                    ".attn_k.weight": c.num_kv_heads, ".attn_k.bias": c.num_kv_heads}
-    src = _GGUFTensors(gf, device, dtype, permute)
+    src = _GGUFTensors(gf, device, dtype, permute, shard)
     hid, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    col, row = COLUMN_PARALLEL, ROW_PARALLEL
     layers = []
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        q = src.get(p + "attn_q.weight", (c.q_size, hid))
-        k = src.get(p + "attn_k.weight", (c.kv_size, hid))
-        v = src.get(p + "attn_v.weight", (c.kv_size, hid))
+        q = src.get(p + "attn_q.weight", (c.q_size, hid), col)
+        k = src.get(p + "attn_k.weight", (c.kv_size, hid), col)
+        v = src.get(p + "attn_v.weight", (c.kv_size, hid), col)
         bias = None
         if c.qkv_bias:
-            bias = torch.cat([src.get(p + "attn_q.bias", (c.q_size,)),
-                              src.get(p + "attn_k.bias", (c.kv_size,)),
-                              src.get(p + "attn_v.bias", (c.kv_size,))])
-        gate = src.get(p + "ffn_gate.weight", (inter, hid))
-        up = src.get(p + "ffn_up.weight", (inter, hid))
+            bias = torch.cat([src.get(p + "attn_q.bias", (c.q_size,), col),
+                              src.get(p + "attn_k.bias", (c.kv_size,), col),
+                              src.get(p + "attn_v.bias", (c.kv_size,), col)])
+        gate = src.get(p + "ffn_gate.weight", (inter, hid), col)
+        up = src.get(p + "ffn_up.weight", (inter, hid), col)
         layers.append(LayerWeights(
             qkv=torch.cat([q, k, v]),
-            o=src.get(p + "attn_output.weight", (hid, c.q_size)),
+            o=src.get(p + "attn_output.weight", (hid, c.q_size), row),
             gate_up=torch.cat([gate, up]),
-            down=src.get(p + "ffn_down.weight", (hid, inter)),
+            down=src.get(p + "ffn_down.weight", (hid, inter), row),
             input_norm=src.get(p + "attn_norm.weight", (hid,)),
             post_norm=src.get(p + "ffn_norm.weight", (hid,)),
             qkv_bias=bias,

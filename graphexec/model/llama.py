@@ -6,7 +6,7 @@ call serves eager prefill, eager decode and a captured CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from ..kernels import Ops
 from ..kernels.rope import rope_cos_sin
 from ..kernels.weight_order import link_next_weights
 from .config import ModelConfig
+from .shard import UNSHARDED, Shard
 
 
 @dataclass
@@ -76,9 +77,17 @@ class KVCache:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops: Ops,
-                 max_positions: int):
+                 max_positions: int, shard: Shard = UNSHARDED):
+        """config: the shape these weights compute (a rank's share: shard.config)."""
         self.config = config
         self.weights = weights
+        self.shard = shard
+        if shard.sharded:
+            # o and down return partial sums here. An op set that adds the residual stream in
+            # their epilogue would add it once per rank, and one that begins the next norm there
+            # would normalise a partial sum: the plain projections instead, each summed by an
+            # all-reduce, with the residual added once, after it, by the next norm.
+            ops = replace(ops, out_linear=None, mlp=None)
         self.ops = ops
         device = weights.embed.device
         self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
@@ -128,13 +137,13 @@ class LlamaModel:
             # (h, residual): the stream is h + residual, or h when residual is None (an op set
             # that adds in the projection's epilogue)
             if ops.out_linear is None:
-                h = ops.linear(o, layer.o)
+                h = self.shard.all_reduce(ops.linear(o, layer.o))
             else:
                 h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm)
             if ops.mlp is None:
                 gate_up, residual = ops.norm_linear(h, residual, layer.post_norm,
                                                     cfg.rms_norm_eps, layer.gate_up)
-                h = ops.silu_mul_linear(gate_up, layer.down)
+                h = self.shard.all_reduce(ops.silu_mul_linear(gate_up, layer.down))
             else:
                 h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
                                       layer.gate_up, layer.down, next_norm)

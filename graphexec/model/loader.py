@@ -12,6 +12,7 @@ import torch
 from .config import PRESETS, ModelConfig, preset
 from .gguf import GGUFFile, config_from_gguf, load_gguf_weights, open_gguf
 from .llama import LayerWeights, ModelWeights
+from .shard import COLUMN_PARALLEL, ROW_PARALLEL, UNSHARDED, Shard
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,39 @@ def shipped_model_path(name: str) -> str:
                      f"{dist.version} has no file {m.file}: {install}")
 
 
-def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               seed: int = 0) -> tuple[ModelConfig, ModelWeights]:
+def read_model_config(source: ModelSource) -> ModelConfig:
+    """The model's shape, without its weights."""
     if source.kind == "gguf":
-        gf = source.gguf if source.gguf is not None else open_gguf(source.path)
-        mc = config_from_gguf(gf)
-        return mc, load_gguf_weights(gf, mc, device, dtype)
+        return config_from_gguf(_gguf(source))
     if source.kind == "hf":
-        mc = ModelConfig.from_dir(source.path)
-        return mc, load_weights(source.path, mc, device, dtype)
-    mc = preset(source.path)
-    return mc, random_weights(mc, device, dtype, seed=seed)
+        return ModelConfig.from_dir(source.path)
+    return preset(source.path)
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
+               seed: int = 0, shard: Shard = UNSHARDED) -> tuple[ModelConfig, ModelWeights]:
+    """The whole model's config and the weights of one tensor-parallel rank (`shard`; all of
+    them by default): shard.config(config) is the shape those weights compute."""
+    mc = read_model_config(source)
+    shard.check(mc, source.path)
+    if source.kind == "gguf":
+        return mc, load_gguf_weights(_gguf(source), mc, device, dtype, shard)
+    if source.kind == "hf":
+        return mc, load_weights(source.path, mc, device, dtype, shard)
+    return mc, random_weights(mc, device, dtype, seed=seed, shard=shard)
+
+
+def _gguf(source: ModelSource) -> GGUFFile:
+    if source.gguf is None:
+        source.gguf = open_gguf(source.path)
+    return source.gguf
 
 
 class _TensorSource:
     """Name -> tensor over one or many safetensors files, loaded straight to device and dtype."""
 
-    def __init__(self, path: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, path: str, device: torch.device, dtype: torch.dtype,
+                 shard: Shard = UNSHARDED):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
             weight_map = _read_index(index)
@@ -115,19 +132,29 @@ class _TensorSource:
                 for name in h.keys():
                     weight_map[name] = fn
         self.weight_map = weight_map
-        self.path, self.device, self.dtype = path, device, dtype
+        self.path, self.device, self.dtype, self.shard = path, device, dtype, shard
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], split: int | None = None) -> torch.Tensor:
+        """The tensor, or with `split` (a dim) this rank's slice of it: only that slice is read
+        from the file."""
         fn = self.weight_map.get(name)
         if fn is None:
             raise ValueError(f"model={self.path!r}: tensor {name!r} is missing from the checkpoint")
         try:
-            t = self.handles[fn].get_tensor(name)
+            whole = self.handles[fn].get_slice(name)
+            found = tuple(whole.get_shape())
+            if found != tuple(shape):
+                t = None
+            elif split is not None and self.shard.sharded:
+                start, stop = self.shard.bounds(shape[split])
+                t = whole[(slice(None),) * split + (slice(start, stop),)]
+            else:
+                t = self.handles[fn].get_tensor(name)
         except Exception as e:  # SafetensorError: data past the end of a cut file
             raise ValueError(f"{os.path.join(self.path, fn)!r}: tensor {name!r} cannot be "
                              f"read, the file is corrupt or cut short ({e})") from e
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"model={self.path!r}: tensor {name!r} has shape {tuple(t.shape)}, "
+        if t is None:
+            raise ValueError(f"model={self.path!r}: tensor {name!r} has shape {found}, "
                              f"the config implies {tuple(shape)}")
         return t.to(device=self.device, dtype=self.dtype)
 
@@ -158,28 +185,29 @@ def _read_index(path: str) -> dict[str, str]:
 
 
 def load_weights(path: str, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> ModelWeights:
-    src = _TensorSource(path, device, dtype)
+                 dtype: torch.dtype, shard: Shard = UNSHARDED) -> ModelWeights:
+    src = _TensorSource(path, device, dtype, shard)
     c = config
     hid, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    col, row = COLUMN_PARALLEL, ROW_PARALLEL
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        q = src.get(p + "self_attn.q_proj.weight", (c.q_size, hid))
-        k = src.get(p + "self_attn.k_proj.weight", (c.kv_size, hid))
-        v = src.get(p + "self_attn.v_proj.weight", (c.kv_size, hid))
+        q = src.get(p + "self_attn.q_proj.weight", (c.q_size, hid), col)
+        k = src.get(p + "self_attn.k_proj.weight", (c.kv_size, hid), col)
+        v = src.get(p + "self_attn.v_proj.weight", (c.kv_size, hid), col)
         bias = None
         if c.qkv_bias:
-            bias = torch.cat([src.get(p + "self_attn.q_proj.bias", (c.q_size,)),
-                              src.get(p + "self_attn.k_proj.bias", (c.kv_size,)),
-                              src.get(p + "self_attn.v_proj.bias", (c.kv_size,))])
-        gate = src.get(p + "mlp.gate_proj.weight", (inter, hid))
-        up = src.get(p + "mlp.up_proj.weight", (inter, hid))
+            bias = torch.cat([src.get(p + "self_attn.q_proj.bias", (c.q_size,), col),
+                              src.get(p + "self_attn.k_proj.bias", (c.kv_size,), col),
+                              src.get(p + "self_attn.v_proj.bias", (c.kv_size,), col)])
+        gate = src.get(p + "mlp.gate_proj.weight", (inter, hid), col)
+        up = src.get(p + "mlp.up_proj.weight", (inter, hid), col)
         layers.append(LayerWeights(
             qkv=torch.cat([q, k, v]),
-            o=src.get(p + "self_attn.o_proj.weight", (hid, c.q_size)),
+            o=src.get(p + "self_attn.o_proj.weight", (hid, c.q_size), row),
             gate_up=torch.cat([gate, up]),
-            down=src.get(p + "mlp.down_proj.weight", (hid, inter)),
+            down=src.get(p + "mlp.down_proj.weight", (hid, inter), row),
             input_norm=src.get(p + "input_layernorm.weight", (hid,)),
             post_norm=src.get(p + "post_attention_layernorm.weight", (hid,)),
             qkv_bias=bias,
@@ -200,26 +228,37 @@ def load_weights(path: str, config: ModelConfig, device: torch.device,
 
 
 def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                   seed: int = 0) -> ModelWeights:
-    """Normal(0, init_std) matrices, unit norms; made on the target device, one tensor at a time."""
+                   seed: int = 0, shard: Shard = UNSHARDED) -> ModelWeights:
+    """Normal(0, init_std) matrices, unit norms; made on the target device, one tensor at a time.
+    A rank draws every tensor whole (the same stream as unsharded) and keeps its slice, so the
+    model is the same at every tensor_parallel_size."""
     c = config
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
-                * c.init_std).to(dtype)
+    def randn(*shape: int, split: int | None = None) -> torch.Tensor:
+        whole = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+        return (shard.part(whole, split) * c.init_std).to(dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
 
+    def stacked(*sizes: int, cols: int | None = None) -> torch.Tensor:
+        """q, k, v (or gate, up), drawn as one tensor unsharded: each part split on its own."""
+        shape = (sum(sizes),) if cols is None else (sum(sizes), cols)
+        whole = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+        if shard.sharded:
+            whole = torch.cat([shard.part(p, COLUMN_PARALLEL) for p in whole.split(sizes)])
+        return (whole * c.init_std).to(dtype)
+
+    qkv_rows = (c.q_size, c.kv_size, c.kv_size)
     layers = [LayerWeights(
-        qkv=randn(c.q_size + 2 * c.kv_size, c.hidden_size),
-        o=randn(c.hidden_size, c.q_size),
-        gate_up=randn(2 * c.intermediate_size, c.hidden_size),
-        down=randn(c.hidden_size, c.intermediate_size),
+        qkv=stacked(*qkv_rows, cols=c.hidden_size),
+        o=randn(c.hidden_size, c.q_size, split=ROW_PARALLEL),
+        gate_up=stacked(c.intermediate_size, c.intermediate_size, cols=c.hidden_size),
+        down=randn(c.hidden_size, c.intermediate_size, split=ROW_PARALLEL),
         input_norm=ones(c.hidden_size),
         post_norm=ones(c.hidden_size),
-        qkv_bias=randn(c.q_size + 2 * c.kv_size) if c.qkv_bias else None,
+        qkv_bias=stacked(*qkv_rows) if c.qkv_bias else None,
         q_norm=ones(c.head_dim) if c.qk_norm else None,
         k_norm=ones(c.head_dim) if c.qk_norm else None,
     ) for _ in range(c.num_layers)]

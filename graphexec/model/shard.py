@@ -1,0 +1,74 @@
+"""Shard: which part of the model one tensor-parallel rank holds, Megatron style.
+
+qkv and gate_up are split by output rows (each rank computes whole heads and a slice of the MLP
+width), o and down by input columns, so each of those two returns a partial sum that one
+all-reduce completes. KV heads are divided like the query heads: rank r holds query heads
+[r * Hq / n, (r + 1) * Hq / n) and the KV heads they read, and only those heads' paged cache.
+Embedding, norms and the LM head are replicated: every rank then computes the same logits and
+samples the same tokens, so the device-resident next inputs never diverge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+    # The torch.distributed group the partial sums are reduced over (None when size == 1).
+    group: object | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    def check(self, mc: ModelConfig, model: str) -> None:
+        """A model whose heads or MLP width do not split evenly cannot be served at this size."""
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            v = getattr(mc, name)
+            if v % self.size:
+                raise ValueError(f"tensor_parallel_size={self.size} does not divide "
+                                 f"{name}={v} of model={model!r}")
+
+    def config(self, mc: ModelConfig) -> ModelConfig:
+        """The shape this rank computes: its heads, KV heads and MLP width; hidden size and
+        vocabulary whole."""
+        if not self.sharded:
+            return mc
+        return replace(mc, num_heads=mc.num_heads // self.size,
+                       num_kv_heads=mc.num_kv_heads // self.size,
+                       intermediate_size=mc.intermediate_size // self.size)
+
+    def bounds(self, full: int) -> tuple[int, int]:
+        n = full // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def part(self, t: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """This rank's slice of a whole tensor along dim (None: replicated). A copy, so the
+        whole tensor can be freed."""
+        if dim is None or not self.sharded:
+            return t
+        start, stop = self.bounds(t.shape[dim])
+        return t.narrow(dim, start, stop - start).clone()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums a row-parallel projection's partial outputs over the ranks, in place."""
+        if self.sharded:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
+        return t
+
+
+UNSHARDED = Shard()
+
+# How each checkpoint tensor is split, by the LayerWeights field it feeds: the dim (0: output
+# rows, 1: input columns) or None for replicated. q, k, v (and their biases), gate and up are
+# split one by one before they are stacked, so each rank's stack is [its q; its k; its v].
+COLUMN_PARALLEL = 0  # q, k, v, gate, up and the qkv bias
+ROW_PARALLEL = 1  # o, down

@@ -1,0 +1,50 @@
+"""The torch.distributed set-up every tensor-parallel rank runs: NCCL between CUDA devices, gloo
+on the CPU, over a TCP store that rank 0 hosts on this machine (the ranks are its processes)."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..model.shard import Shard
+
+HOST = "127.0.0.1"
+# Rendezvous and start-up collectives wait for the slowest rank to load its shard from disk
+# and capture its graphs.
+START_TIMEOUT = timedelta(minutes=10)
+# A collective inside a step: a rank that has not joined by then is hung. (A rank that died is
+# noticed sooner: its sockets close, and rank 0 checks the workers' exit codes every step.)
+STEP_TIMEOUT = timedelta(seconds=60)
+
+
+def host_store(size: int) -> dist.TCPStore:
+    """Rank 0's store, on a port the OS picks (store.port), so no port is guessed."""
+    return dist.TCPStore(HOST, 0, size, is_master=True, timeout=START_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def connect_store(port: int, size: int) -> dist.TCPStore:
+    return dist.TCPStore(HOST, port, size, is_master=False, timeout=START_TIMEOUT)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r runs on the r-th CUDA device from `device` on; every rank of a CPU run on the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def join_process_group(rank: int, size: int, device: torch.device,
+                       store: dist.TCPStore) -> Shard:
+    """Joins the default group (start-up collectives) and makes the group the forward's
+    all-reduces run on, with the shorter step timeout. Every rank must call it."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=START_TIMEOUT)
+    return Shard(rank, size, dist.new_group(timeout=STEP_TIMEOUT))
+
+
+def leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""A tensor-parallel worker: one process per rank above 0. It builds its own rank (its shard of
+the weights, its share of the KV cache, a ModelRunner with the engine's options and seed, the
+same graphs) and then makes, step by step, the calls rank 0's runner makes, from the arguments
+rank 0 sends. Its results are never read: sampling is replicated, so its device-resident next
+inputs are rank 0's, and its result slots are simply reused."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from ..config import EngineConfig
+
+# How often a worker with nothing to run checks that rank 0 is still alive.
+PARENT_POLL_S = 1.0
+
+
+def worker_main(cfg: EngineConfig, rank: int, size: int, store_port: int,
+                conn: Connection) -> None:
+    """The process's target. On any failure the traceback goes to rank 0 before the exit."""
+    from . import process_group
+
+    joined = False
+    try:
+        conn.send(("hello",))
+        cfg.device = process_group.rank_device(cfg.device, rank)
+        if cfg.device.type == "cuda":
+            torch.cuda.set_device(cfg.device)
+        store = process_group.connect_store(store_port, size)
+        shard = process_group.join_process_group(rank, size, cfg.device, store)
+        joined = True
+        runner = _build(cfg, shard)
+        _serve(runner, conn)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if joined:
+            process_group.leave_process_group()
+
+
+def _build(cfg: EngineConfig, shard):
+    from ..model import resolve_model
+    from ..model.loader import read_model_config
+    from ..rank import build_rank, resolve_max_model_len
+
+    source = resolve_model(cfg.model)
+    max_len = resolve_max_model_len(cfg, read_model_config(source))
+    return build_rank(cfg, source, max_len, shard).runner
+
+
+def _serve(runner, conn: Connection) -> None:
+    """Runs rank 0's calls in order until it says stop, closes the pipe or dies."""
+    parent = mp.parent_process()
+    while True:
+        if not conn.poll(PARENT_POLL_S):
+            if parent is not None and not parent.is_alive():
+                return
+            continue
+        try:
+            kind, args = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if kind == "launch":
+            runner.launch(*args)
+        elif kind == "delta":
+            runner.apply_delta(*args)
+        elif kind == "stop":
+            return
+        else:
+            raise ValueError(f"unknown message {kind!r} from rank 0")

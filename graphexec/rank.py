@@ -1,0 +1,113 @@
+"""What one rank runs: its share of the weights, its KV cache, the model, the ModelRunner and its
+graphs. The engine builds rank 0 here and each tensor-parallel worker builds its own rank with
+the same code (graphexec/parallel/worker.py), so the ranks cannot drift apart in shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .capture.prefill import token_buckets
+from .capture.state import Variant
+from .config import EngineConfig
+from .kernels import select_ops
+from .model import KVCache, LlamaModel, ModelConfig, ModelSource, load_model
+from .model.shard import UNSHARDED, Shard
+from .runner import ModelRunner
+from .spec import build_draft
+
+
+@dataclass
+class Rank:
+    config: ModelConfig  # the shape this rank computes (shard.config of the whole model's)
+    kv: KVCache
+    model: LlamaModel
+    runner: ModelRunner
+    num_blocks: int  # usable KV blocks (the cache holds one more: the scratch block)
+
+
+def resolve_max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
+    max_len = cfg.max_model_len or min(mc.max_position_embeddings, 4096)
+    if mc.sliding_window is not None:
+        max_len = min(max_len, mc.sliding_window)  # no windowed attention: stay inside it
+    if max_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's "
+                         f"max_position_embeddings={mc.max_position_embeddings}")
+    return max_len
+
+
+def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shard = UNSHARDED,
+               make_runner: Callable[..., ModelRunner] = ModelRunner) -> Rank:
+    whole, weights = load_model(source, cfg.device, cfg.dtype, seed=cfg.seed, shard=shard)
+    mc = shard.config(whole)
+    num_blocks = _num_kv_blocks(cfg, mc, max_len)
+    if shard.sharded:  # block ids are shared: every rank's cache has the smallest one's size
+        num_blocks = _min_over_ranks(num_blocks, cfg.device)
+    kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
+    ops = select_ops(cfg.device, cfg.use_triton, cfg.projections, cfg.batch_invariant)
+    # positions past the limit: the extra step after a finish, and K draft positions
+    spec = cfg.speculative
+    k = spec.num_tokens if spec is not None else 0
+    model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + k, shard=shard)
+    draft = build_draft(spec, model, kv, max_len, cfg.seed) if spec is not None else None
+    # the largest prefill a step runs: the whole budget when no row decodes
+    runner = make_runner(model, kv, cfg.max_batch, max_len, cfg.block_size,
+                         scratch_block=num_blocks, draft=draft, num_spec_tokens=k,
+                         max_prefill_tokens=cfg.max_num_batched_tokens)
+    if cfg.cuda_graphs:
+        from .capture.graphs import GraphSet
+
+        with_lp = (False, True) if cfg.capture_logprobs else (False,)
+        variants = [Variant(lp, f) for lp in with_lp for f in (False, True)]
+        if k:  # the all-greedy speculative iteration
+            variants += [Variant(lp, False, sampled=False) for lp in with_lp]
+        # Every rank captures the same graphs in the same order: the all-reduces inside them
+        # pair up across ranks.
+        runner.graphs = GraphSet.capture(
+            runner, cfg.buckets, variants,
+            prefill_tokens=token_buckets(cfg.max_num_batched_tokens),
+            progress=shard.rank == 0)
+    return Rank(mc, kv, model, runner, num_blocks)
+
+
+def _min_over_ranks(n: int, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # the default group: start-up, long timeout
+    return int(t.item())
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+def _num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, max_len: int) -> int:
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
+    if cfg.kv_cache_memory is not None:
+        n = cfg.kv_cache_memory // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} bytes holds no block "
+                             f"({per_block} bytes each)")
+        return n
+    full = cfg.max_batch * -(-max_len // cfg.block_size)  # every row at the context limit
+    if cfg.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(cfg.device)
+        budget = int(free * 0.6)
+    else:
+        budget = 2 << 30
+    return max(1, min(full, budget // per_block))
+
+
+def _allocate_kv(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> KVCache:
+    shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+    kv = KVCache()
+    for _ in range(mc.num_layers):
+        kv.k.append(torch.zeros(shape, dtype=dtype, device=device))
+        kv.v.append(torch.zeros(shape, dtype=dtype, device=device))
+    return kv
