@@ -5,19 +5,22 @@ import torch
 from conftest import HF_ARCHS, devices
 from graphexec import LLM, SamplingParams
 from graphexec.kernels import select_ops
-from graphexec.model import LlamaModel, ModelConfig, load_weights
+from graphexec.model import LlamaModel, load_model, resolve_model
 from graphexec.model.llama import AttentionInputs, KVCache
+from graphexec.model.shard import UNSHARDED
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
 
 
 def _graphexec_prefill_logits(path, device, dtype, prompts, block_size=4, projections="cublas",
-                              ops=None):
-    """Runs graphexec's varlen prefill over the paged cache; returns per-token logits."""
-    mc = ModelConfig.from_dir(path)
+                              ops=None, shard=UNSHARDED):
+    """Runs graphexec's varlen prefill over the paged cache; returns per-token logits. path: an
+    HF dir, a GGUF file or a preset; shard: one tensor-parallel rank's part (its process in a
+    torch.distributed group), the logits whole after the all-reduces."""
     ops = ops or select_ops(torch.device(device), projections=projections)
-    model = LlamaModel(mc, load_weights(path, mc, torch.device(device), dtype), ops,
-                       max_positions=64)
+    whole, weights = load_model(resolve_model(path), torch.device(device), dtype, shard=shard)
+    mc = shard.config(whole)
+    model = LlamaModel(mc, weights, ops, max_positions=64, shard=shard)
     nblocks = 32
     kv = KVCache([torch.zeros(nblocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype,
                               device=device) for _ in range(mc.num_layers)],

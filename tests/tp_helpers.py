@@ -1,0 +1,50 @@
+"""Shared by the tensor-parallel tests: a sharded forward on every rank (rank 0 in the test's
+process, the others spawned here), and engines compared request by request."""
+import torch
+import torch.multiprocessing as mp
+
+from graphexec.parallel import process_group
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
+
+
+def _rank_logits(models: list[str], shard) -> list[torch.Tensor]:
+    from test_hf_parity import _graphexec_prefill_logits
+
+    return [torch.cat(_graphexec_prefill_logits(m, "cpu", torch.float32, PROMPTS, shard=shard))
+            for m in models]
+
+
+def _other_rank(rank: int, size: int, port: int, models: list[str], conn) -> None:
+    store = process_group.connect_store(port, size)
+    shard = process_group.join_process_group(rank, size, torch.device("cpu"), store)
+    try:
+        conn.send([t.numpy() for t in _rank_logits(models, shard)])
+    finally:
+        process_group.leave_process_group()
+
+
+def sharded_logits(models: list[str], size: int) -> list[list[torch.Tensor]]:
+    """Per rank, per model: the prefill logits of PROMPTS with the weights split over `size`
+    ranks (gloo)."""
+    ctx = mp.get_context("spawn")
+    store = process_group.host_store(size)
+    procs, conns = [], []
+    for rank in range(1, size):
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=_other_rank, args=(rank, size, store.port, models, theirs),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(ours)
+    shard = process_group.join_process_group(0, size, torch.device("cpu"), store)
+    try:
+        out = [_rank_logits(models, shard)]
+        out += [[torch.from_numpy(a) for a in c.recv()] for c in conns]
+    finally:
+        process_group.leave_process_group()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return out
