@@ -28,8 +28,9 @@ _map_source_folders()
 from .engine import Engine  # noqa: E402
 from .llm import LLM  # noqa: E402
 from .outputs import RequestOutput, TokenLogprob  # noqa: E402
+from .parallel import TensorParallelError  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
 from .spec import SpeculativeConfig  # noqa: E402
 
 __all__ = ["Engine", "LLM", "RequestOutput", "SamplingParams", "SpeculativeConfig",
-           "TokenLogprob"]
+           "TensorParallelError", "TokenLogprob"]

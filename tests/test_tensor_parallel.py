@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from gguf_helpers import hf_tensors, write_gguf
-from graphexec import Engine, SamplingParams, SpeculativeConfig
+from graphexec import Engine, SamplingParams, SpeculativeConfig, TensorParallelError
 from graphexec.config import EngineConfig
 from graphexec.model import load_model, preset, random_weights, resolve_model
 from graphexec.model.shard import Shard
-from graphexec.parallel import TensorParallelError
 from lifecycle_helpers import check_blocks, collect, drain
 from tp_helpers import PROMPTS, sharded_logits
 

@@ -9,6 +9,9 @@ graphexec's decode-only step time, GPU idle time between steps, host time per st
 fraction of the HBM roofline (weights + KV bytes per step over the copy bandwidth measured in
 the same run). Writes JSON, a PNG plot and markdown tables under --out; `--docs
 docs/benchmarks.md` also appends the tables (with date, GPU and command) to that file.
+`--tp 1 2` runs each configuration at those tensor_parallel_size values (the roofline is then
+per rank). Without CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
+benchmark, not to measure.
 """
 from __future__ import annotations
 
@@ -33,8 +36,19 @@ MODES = {"async+graphs": dict(async_scheduling=True, cuda_graphs=True),
          "eager": dict(async_scheduling=False, cuda_graphs=False)}
 
 
+CUDA = torch.cuda.is_available()
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second."""
+    """Device-to-device copy, bytes read + written per second (nan without CUDA: the CPU runs
+    only check that the benchmark works, they measure nothing)."""
+    if not CUDA:
+        return float("nan")
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     for _ in range(3):
@@ -53,9 +67,19 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
+def weight_bytes_per_rank(mc, tp: int) -> int:
+    """bf16 bytes of weights one rank counts per step: its share of the layers, and the
+    embedding and LM head whole (replicated; counted whole as at tp 1)."""
+    replicated = mc.num_parameters() - mc.num_layers * (
+        mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size
+        + 3 * mc.hidden_size * mc.intermediate_size)
+    return 2 * (replicated + (mc.num_parameters() - replicated) // tp)
+
+
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
                     bandwidth: float, max_batch: int, llm: LLM | None = None,
-                    diagnose: bool = False, projections: str = "auto") -> tuple[dict, LLM]:
+                    diagnose: bool = False, projections: str = "auto",
+                    tp: int = 1) -> tuple[dict, LLM]:
     mc = preset(model)
     max_len = prompt_len + new + 16
     if llm is None:
@@ -63,15 +87,15 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
         kernels = (dict(batch_invariant=True) if projections == "invariant"
                    else dict(projections=projections))
         llm = LLM(model, max_batch=max_batch, num_kv_blocks=blocks, max_model_len=max_len,
-                  **kernels, **MODES[mode])
+                  tensor_parallel_size=tp, **kernels, **MODES[mode])
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = _prompts(batch, prompt_len, mc.vocab_size)
     # Warm up with the measured shapes: Triton specialises kernels on sizes, and a JIT compile
     # inside the timed run would be charged to whichever mode ran first.
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
-    torch.cuda.synchronize()
-    runner.timeline = []
+    _sync()
+    runner.timeline = [] if CUDA else None  # CUDA events around each decode iteration
     runner.wait_seconds = 0.0
     host_step = []
     phases = _PhaseTimer(engine) if diagnose else None
@@ -85,7 +109,7 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
         s = time.perf_counter()
         engine.step()
         host_step.append(time.perf_counter() - s)
-    torch.cuda.synchronize()
+    _sync()
     wall = time.perf_counter() - t0
     timeline, runner.timeline = runner.timeline, None
     diag = {}
@@ -97,18 +121,23 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     # Steady state: decode iterations after the first. A gap before an iteration whose launch
     # also ran a prefill (admissions split over several steps by max_prefill_tokens) holds that
     # prefill, not host idleness: those gaps are left out of both step time and idle time.
-    tl = timeline[1:-1]
+    tl = (timeline or [])[1:-1]
     busy = [s.elapsed_time(e) / 1e3 for s, e, _ in tl]
     gaps = [tl[i][1].elapsed_time(tl[i + 1][0]) / 1e3 for i in range(len(tl) - 1)
             if not tl[i + 1][2]]
     prefill_steps = sum(1 for t in tl if t[2])
     step_time = (sum(busy) / len(busy) + sum(gaps) / max(len(gaps), 1)) if tl else float("nan")
-    weights = mc.num_parameters() * 2
-    kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16
+    # Per rank under tensor parallelism (its weights and its KV heads); the all-reduces' time
+    # is not in the floor.
+    weights = weight_bytes_per_rank(mc, tp)
+    kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16 / tp
     avg_ctx = prompt_len + new / 2
     roofline = (weights + batch * avg_ctx * kv_per_token) / bandwidth
     label = mode if projections == "auto" else f"{mode} {projections}-proj"
-    res = dict(engine="graphexec", mode=label, projections=projections, model=model, batch=batch, prompt=prompt_len,
+    if tp > 1:
+        label += f" tp{tp}"
+    res = dict(engine="graphexec", mode=label, projections=projections, tensor_parallel_size=tp,
+               model=model, batch=batch, prompt=prompt_len,
                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
                decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
                gpu_busy_ms=sum(busy) / max(len(busy), 1) * 1e3,
@@ -218,17 +247,17 @@ def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> di
 
 def run_decode(models, batches, shapes, hf_batches, out_dir,
                hf_kinds=("eager", "static+compile"), modes=tuple(MODES),
-               diagnose: bool = False, projections=("auto",)) -> list[dict]:
+               diagnose: bool = False, projections=("auto",), tps=(1,)) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
     for model in models:
-        for mode, proj in itertools.product(modes, projections):
+        for mode, proj, tp in itertools.product(modes, projections, tps):
             for prompt_len, new in shapes:
                 llm = None  # a new engine per shape: max_model_len and KV sized for it
                 for batch in batches:
                     res, llm = bench_graphexec(model, mode, batch, prompt_len, new, bw,
-                                               max(batches), llm, diagnose, proj)
+                                               max(batches), llm, diagnose, proj, tp)
                     print(json.dumps(res))
                     rows.append(res)
                 # Free this engine's graphs, buffers and KV before the next configuration's
@@ -289,7 +318,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def markdown(rows: list[dict], command: str) -> str:
-    gpu = torch.cuda.get_device_name()
+    gpu = torch.cuda.get_device_name() if CUDA else "CPU (no CUDA: nothing measured)"
     bw = next(r["copy_bandwidth_TBps"] for r in rows if r.get("engine") == "hbm")
     lines = [f"Measured {datetime.date.today()} on {gpu}, torch {torch.__version__}, "
              f"copy bandwidth {bw:.2f} TB/s. Command: `{command}`.", "",
@@ -350,6 +379,8 @@ def main() -> None:
                          "runs), e.g. speed-up")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="spec: run every set-up on the batch-invariant kernels")
+    ap.add_argument("--tp", nargs="+", type=int, default=[1],
+                    help="decode: tensor_parallel_size values, one engine each (e.g. 1 2)")
     ap.add_argument("--diagnose", action="store_true",
                     help="time schedule/launch/reconcile per step, list the slowest steps")
     ap.add_argument("--out", default="out")
@@ -379,7 +410,7 @@ def main() -> None:
         shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
         batches = args.batches or [1, 16, 64, 256]
         rows = run_decode(args.models, batches, shapes, args.hf_batches, args.out,
-                          args.hf_kinds, args.modes, args.diagnose, args.projections)
+                          args.hf_kinds, args.modes, args.diagnose, args.projections, args.tp)
         tag = "-".join(args.models)
         plot(rows, os.path.join(args.out, f"decode_{tag}.png"))
         md = markdown(rows, command)

@@ -136,6 +136,10 @@ class WorkerGroup:
             yield
         except TensorParallelError:
             raise
+        except ValueError as e:  # bad input (at build: a draft that does not split), every
+            # rank raises the same: rank 0's own error is the one to show
+            self._fail(f"rank 0 raised {e!r}; the tensor-parallel ranks are out of step")
+            raise
         except Exception as e:
             self._await_exit()
             self.check()
