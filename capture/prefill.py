@@ -22,8 +22,11 @@ from .state import DecodeState
 
 # How many sequences one prefill step packs at most (the captured graphs' fixed count).
 MAX_PREFILL_SEQS = 16
-# The smallest token bucket: below it a graph would save no padding worth its memory.
-MIN_TOKEN_BUCKET = 16
+# The smallest token bucket. Up to 64 rows the projections run the decode-tuned Triton kernels
+# (kernels/triton_ops.py): on the H100 a 64-token prefill of llama-1b took 1.36 ms where 16-32
+# token ones on cuBLAS took 1.73 (tools/profile_churn.py, 2026-11-25), so smaller buckets only
+# cost time.
+MIN_TOKEN_BUCKET = 64
 
 
 @dataclass
@@ -142,8 +145,8 @@ def prefill_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefi
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """The captured prefill sizes: 16, 32, 64, then every 64 tokens to 512 and every 256
-    beyond, and max_tokens itself. A prefill is compute-bound, so padding costs its share of
+    """The captured prefill sizes: every 64 tokens to 512 and every 256 beyond, and max_tokens
+    itself. A prefill is compute-bound, so padding costs its share of
     the time: steps this fine keep it under about 15% of a large prefill, and the scheduler
     cuts chunks to a bucket's size (bucket_floor) so a long prompt's chunks pad nothing."""
     out, b = [], MIN_TOKEN_BUCKET
