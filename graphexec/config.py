@@ -34,7 +34,7 @@ class EngineConfig:
     seed: int = 0
     # Tokens one step runs at most: a decode token per row plus prompt chunks (the vLLM name).
     # A longer prompt is prefilled over several steps while the batch decodes on; each step
-    # still takes at least 16 prompt tokens. The default is docs/benchmarks.md's pick.
+    # still takes at least 64 prompt tokens. The default is docs/benchmarks.md's pick.
     max_num_batched_tokens: int = 1024
     # Full prompt blocks are kept under a hash of their token chain and reused by any later
     # request whose prompt starts the same way (docs/architecture.md, "Prefix caching").

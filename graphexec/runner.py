@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .capture.iteration import SampleOut, decode_iteration
@@ -177,7 +178,7 @@ class ModelRunner:
         return self.prefill_padding(tokens, with_logprobs, ints)
 
     def prefill_padding(self, tokens: int, with_logprobs: bool,
-                        ints: list[int] | None = None) -> SampleOut:
+                        ints: np.ndarray | None = None) -> SampleOut:
         """The prefill of `tokens`' bucket over the static buffer, as its graph runs it, eagerly.
         With no `ints`, a prefill of nothing but padding (it writes only the scratch block and
         the inert row): what GraphSet.capture warms up and captures."""

@@ -57,6 +57,12 @@ def test_chain_keys_name_the_whole_prefix():
     assert a == b  # tokens past the full blocks do not count
     assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 changes every later key
     assert chain_hashes(list(range(16, 32)), 16, 1)[0] != a[1]  # same tokens, other prefix
+    # the definition: sha256 of the previous key and the block's tokens as int64 bytes
+    import hashlib
+    import struct
+
+    k0 = hashlib.sha256(struct.pack("<16q", *range(16))).digest()
+    assert a == [k0, hashlib.sha256(k0 + struct.pack("<16q", *range(16, 32))).digest()]
 
 
 def test_cached_block_survives_free_and_is_evicted_last_used_last():

@@ -177,3 +177,34 @@ def test_admissions_and_chunks_have_no_hidden_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert engine.stats.chain_breaks == breaks
     assert engine.scheduler.stats.prefill_chunks > 0
+
+
+def test_pack_prefill_lays_out_every_field():
+    from graphexec.capture.prefill import PrefillChunk, PrefillMeta, pack_prefill
+
+    bs, scratch, inert, cols = 4, 99, 7, 3
+    # a middle chunk (no row: samples nothing), a prompt's last chunk, an evicted request's
+    # recompute (resumes from its last token), then padding to 12 tokens and 5 sequences
+    chunks = [PrefillChunk([11, 12, 13], start=2, blocks=[5, 6]),
+              PrefillChunk([21, 22], start=0, blocks=[8], row=1, step=0),
+              PrefillChunk([31], start=4, blocks=[2, 3], row=4, step=3, resume_token=77)]
+    buf = torch.from_numpy(pack_prefill(chunks, 12, 5, cols, bs, scratch, inert))
+    m = PrefillMeta.view(buf, 12, 5, cols)
+    assert m.ids.tolist() == [11, 12, 13, 21, 22, 31] + [0] * 6
+    assert m.positions.tolist() == [2, 3, 4, 0, 1, 4] + [0] * 6
+    # position p of a chunk lives in slot blocks[p // bs] * bs + p % bs
+    assert m.slots.tolist() == [22, 23, 24, 32, 33, 12] + [scratch * bs] * 6
+    assert m.cu_seqlens.tolist() == [0, 3, 5, 6, 6, 6]
+    assert m.seq_lens.tolist() == [5, 2, 5, 0, 0]
+    assert m.rows.tolist() == [inert, 1, 4, inert, inert]
+    assert m.steps.tolist() == [0, 0, 3, 0, 0]
+    assert m.samples.tolist() == [0, 1, 0, 0, 0]
+    assert m.resume.tolist() == [0, 0, 77, 0, 0]
+    assert m.next_position.tolist() == [0, 2, 5, 0, 0]
+    assert m.block_tables.tolist() == [[5, 6, scratch], [8, scratch, scratch],
+                                       [2, 3, scratch]] + [[scratch] * cols] * 2
+    with pytest.raises(RuntimeError, match="exceed"):
+        pack_prefill(chunks, 5, 5, cols, bs, scratch, inert)
+    with pytest.raises(RuntimeError, match="blocks for"):
+        pack_prefill([PrefillChunk([1] * 5, start=0, blocks=[5])], 12, 5, cols, bs, scratch,
+                     inert)

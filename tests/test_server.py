@@ -300,21 +300,50 @@ def test_metrics_count_tokens_and_latency(server):
     assert server.metric("graphexec_time_to_first_token_seconds_count") >= 16
 
 
+def _long_stream_ends(srv: Server, interrupt) -> list[str]:
+    """Starts a 1500-token stream on a tiny server, calls interrupt() once its first chunk
+    came, and returns the `data:` lines that followed (the stream must end, not hang)."""
+    body = {"model": "tiny", "prompt": _ids(4), "max_tokens": 1500, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        interrupt()
+        return [ln for ln in lines if ln.startswith("data: ")]
+
+
 def test_sigterm_mid_stream_ends_cleanly():
     srv = Server("tiny", "--max-batch", "4", "--shutdown-timeout", "1")
     try:
-        body = {"model": "tiny", "prompt": _ids(4), "max_tokens": 1500, "stream": True,
-                "ignore_eos": True, "return_token_ids": True}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            srv.proc.send_signal(signal.SIGTERM)
-            rest = list(lines)  # the stream must end, not hang
+        ends = _long_stream_ends(srv, lambda: srv.proc.send_signal(signal.SIGTERM))
         assert srv.proc.wait(30) == 0, srv.output()
-        ends = [ln for ln in rest if ln.startswith("data: ")]
         # aborted after the grace period (1 s, far less than 1500 tokens take) and told so
         assert ends[-1] == "data: [DONE]"
         assert json.loads(ends[-2][6:])["error"]["code"] == "shutting_down"
         assert "Traceback" not in srv.output(), srv.output()
+    finally:
+        srv.stop()
+
+
+def _engine_process(server_pid: int) -> int:
+    """The pid of the server's engine process: its child started by multiprocessing's spawn
+    (beside it runs multiprocessing's resource tracker)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)],
+                         capture_output=True, text=True, check=True).stdout
+    pids = [int(line.split()[0]) for line in out.splitlines()
+            if "multiprocessing.spawn" in line]
+    assert len(pids) == 1, out
+    return pids[0]
+
+
+def test_engine_process_death_fails_open_streams_and_exits():
+    srv = Server("tiny", "--max-batch", "4")
+    try:
+        ends = _long_stream_ends(
+            srv, lambda: os.kill(_engine_process(srv.proc.pid), signal.SIGKILL))
+        assert ends[-1] == "data: [DONE]"
+        assert "engine" in json.loads(ends[-2][6:])["error"]["message"]
+        assert srv.proc.wait(30) == 1, srv.output()  # the server does not outlive its engine
+        assert "the engine failed" in srv.output()
     finally:
         srv.stop()

@@ -2,9 +2,10 @@
 tools/bench_serve.py for the workloads, the metrics and the report, which both drivers share).
 
 The seeded requests of the in-process runs go to a `python -m graphexec.serve` as streaming
-/v1/completions calls (token-id prompts, greedy, ignore_eos), one asyncio task each on one
-httpx.AsyncClient: offline all at t = 0, online at their Poisson arrival times, a shared-prefix
-follow-up turn when the previous turn's last chunk came. --http auto starts one server per
+/v1/completions calls (token-id prompts, greedy, ignore_eos), one asyncio task each on an
+httpx.AsyncClient in one of --client-procs processes (whole conversations per process, the
+same clock origin in all): offline all at t = 0, online at their Poisson arrival times, a
+shared-prefix follow-up turn when the previous turn's last chunk came. --http auto starts one server per
 mode with the in-process engine's options (max_batch, KV blocks and context length copied
 from the engine the in-process run built, so both runs have the same engine) and SIGTERMs it
 after.
@@ -26,8 +27,10 @@ import signal
 import socket
 import subprocess
 import sys
+import multiprocessing as mp
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -51,6 +54,12 @@ METRICS = {"graphexec_engine_steps_total": "steps", "graphexec_engine_pauses_tot
            "graphexec_engine_chain_breaks_total": "chain_breaks",
            "graphexec_generation_tokens_total": "tokens",
            "graphexec_kv_blocks_total": "kv_total", "graphexec_kv_blocks_used": "kv_used"}
+
+
+# No pool limit and no read timeout: offline opens every stream at once, and a request queued
+# behind hundreds of others may wait minutes for its first chunk.
+_NO_POOL_LIMIT = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+_NO_READ_TIMEOUT = httpx.Timeout(None, connect=60.0)
 
 
 # -- one streamed request -----------------------------------------------------------------------
@@ -144,13 +153,14 @@ def error_message(body: bytes) -> str:
 # -- a workload ---------------------------------------------------------------------------------
 
 async def drive(client: httpx.AsyncClient, model: str, workload: Workload,
-                concurrency: int | None) -> RunTrace:
-    """Runs one workload to completion, one task per request (see the module docstring)."""
+                concurrency: int | None, t0: float | None = None) -> RunTrace:
+    """Runs one workload to completion, one task per request (see the module docstring).
+    t0: the perf_counter reading the arrivals count from (default: now)."""
     followers = {s.after: s for s in workload.requests if s.after is not None}
     traces: dict[str, HttpTrace] = {}
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     tasks: set[asyncio.Task] = set()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
 
     def clock() -> float:
         return time.perf_counter() - t0
@@ -178,6 +188,66 @@ async def drive(client: httpx.AsyncClient, model: str, workload: Workload,
         for task in done:
             task.result()  # a bug in the driver itself surfaces here
     return RunTrace(dict(traces), [], clock())
+
+
+def split_workload(workload: Workload, parts: int) -> list[Workload]:
+    """The requests dealt to `parts` client processes, whole conversations at a time (a
+    follow-up turn is sent by the process that saw the turn before it end)."""
+    by_id = {s.request_id: s for s in workload.requests}
+
+    def first_turn(spec: RequestSpec) -> str:
+        while spec.after is not None:
+            spec = by_id[spec.after]
+        return spec.request_id
+
+    deal: dict[str, int] = {}
+    out = [Workload(workload.kind, workload.rate) for _ in range(parts)]
+    for spec in workload.requests:
+        part = deal.setdefault(first_turn(spec), len(deal) % parts)
+        out[part].requests.append(spec)
+    return [wl for wl in out if wl.requests]
+
+
+def _drive_part(url: str, model: str, workload: Workload, concurrency: int | None,
+                t0: float) -> RunTrace:
+    """One client process's share (a spawn target)."""
+    async def go() -> RunTrace:
+        async with httpx.AsyncClient(base_url=url, limits=_NO_POOL_LIMIT,
+                                     timeout=_NO_READ_TIMEOUT) as client:
+            return await drive(client, model, workload, concurrency, t0)
+    return asyncio.run(go())
+
+
+def _ready() -> None:
+    """Run once in each client process before a workload's clock starts: its start-up
+    (interpreter, imports) must not count as the server's latency."""
+
+
+class ClientPool:
+    """Client processes that send one workload together. One asyncio process reading a few
+    hundred streams at ten thousand chunks a second is itself the bottleneck (httpx parses
+    every SSE line in Python), so the streams are spread over several, as load generators do."""
+
+    def __init__(self, procs: int):
+        self.procs = procs
+        self._pool = ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"))
+        for f in [self._pool.submit(_ready) for _ in range(procs)]:
+            f.result()
+
+    def drive(self, url: str, model: str, workload: Workload,
+              concurrency: int | None) -> RunTrace:
+        parts = split_workload(workload, self.procs)
+        share = None if concurrency is None else -(-concurrency // len(parts))
+        t0 = time.perf_counter() + 0.05  # the same origin in every process (CLOCK_MONOTONIC)
+        futures = [self._pool.submit(_drive_part, url, model, wl, share, t0) for wl in parts]
+        traces = [f.result() for f in futures]
+        requests: dict[str, RequestTrace] = {}
+        for tr in traces:
+            requests.update(tr.requests)
+        return RunTrace(requests, [], max(tr.wall for tr in traces))
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 async def warm_up(client: httpx.AsyncClient, server: "ServerInfo", vocab: int,
@@ -366,11 +436,8 @@ def run_mode(args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
 
 async def _runs(url: str, args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
                 engine: dict | None, block_size: int) -> tuple[list[RunResult], dict, dict]:
-    # No pool limit and no read timeout: offline opens every stream at once, and a request
-    # queued behind hundreds of others may wait minutes for its first chunk.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, limits=limits,
-                                 timeout=httpx.Timeout(None, connect=60.0)) as client:
+    async with httpx.AsyncClient(base_url=url, limits=_NO_POOL_LIMIT,
+                                 timeout=_NO_READ_TIMEOUT) as client:
         server = await describe(client, url, block_size)
         vocab = engine["vocab_size"] if engine is not None else model_vocab(args.model)
         if engine is not None and engine["max_model_len"] != server.max_model_len:
@@ -379,17 +446,24 @@ async def _runs(url: str, args: argparse.Namespace, mode: str, cfg: WorkloadConf
         max_batch = engine["max_batch"] if engine else args.max_batch or DEFAULT_MAX_BATCH
         await warm_up(client, server, vocab, args.warmup)
         results, series, limits = [], {}, {}
-        for wl in build_workloads(cfg, args.kinds, args.rates, vocab, server.max_model_len):
-            limit = concurrency(args, wl, max_batch)
-            res = await _run_one(client, server, wl, mode, limit)
-            print(json.dumps(row_brief(res)), flush=True)
-            results.append(res)
-            limits[res.label] = limit
-            # the client sees chunks, not engine steps: no per-step series
-            series[res.label] = dict(t_s=[], step_ms=[], tokens=[], batch=[], gpu_iter_ms=None,
-                                     gpu_iter_prefill=None)
+        pool = ClientPool(args.client_procs) if args.client_procs > 1 else None
+        try:
+            for wl in build_workloads(cfg, args.kinds, args.rates, vocab,
+                                      server.max_model_len):
+                limit = concurrency(args, wl, max_batch)
+                res = await _run_one(client, server, wl, mode, limit, pool)
+                print(json.dumps(row_brief(res)), flush=True)
+                results.append(res)
+                limits[res.label] = limit
+                # the client sees chunks, not engine steps: no per-step series
+                series[res.label] = dict(t_s=[], step_ms=[], tokens=[], batch=[],
+                                         gpu_iter_ms=None, gpu_iter_prefill=None)
+        finally:
+            if pool is not None:
+                pool.close()
     info = dict(model=server.model, max_model_len=server.max_model_len,
-                kv_blocks=server.kv_blocks, max_batch=max_batch, concurrency=limits)
+                kv_blocks=server.kv_blocks, max_batch=max_batch, concurrency=limits,
+                client_procs=args.client_procs)
     return results, series, info
 
 
@@ -403,9 +477,12 @@ def concurrency(args: argparse.Namespace, workload: Workload, max_batch: int) ->
 
 
 async def _run_one(client: httpx.AsyncClient, server: ServerInfo, workload: Workload,
-                   mode: str, limit: int | None) -> RunResult:
+                   mode: str, limit: int | None, pool: ClientPool | None) -> RunResult:
     compiled, before = triton_cache_entries(), await scrape(client)
-    trace = await drive(client, server.model, workload, limit)
+    if pool is None:
+        trace = await drive(client, server.model, workload, limit)
+    else:
+        trace = await asyncio.to_thread(pool.drive, server.url, server.model, workload, limit)
     after = await scrape(client)
     return summarize(workload, mode, trace, before, after, None,
                      triton_cache_entries() - compiled, transport="http")

@@ -314,6 +314,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=None,
                     help="--http: streams open at once (default: no limit for offline and "
                          "shared-prefix, as in-process; 2 x max_batch for online)")
+    ap.add_argument("--client-procs", type=int, default=4,
+                    help="--http: client processes the streams are spread over (one asyncio "
+                         "process cannot read ten thousand SSE chunks a second)")
     ap.add_argument("--server-timeout", type=float, default=900.0,
                     help="--http auto: seconds the server may take to answer /health")
     ap.add_argument("--out", default="out")
@@ -342,6 +345,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.http not in (None, "auto") and len(args.modes) != 1:
         raise ValueError(f"--http {args.http}: a running server has one scheduling mode; "
                          f"give it as the one --modes (got {args.modes})")
+    if args.client_procs < 1:
+        raise ValueError(f"--client-procs must be >= 1, got {args.client_procs}")
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
 

@@ -27,6 +27,7 @@ class RequestTrace:
     first_token: float | None = None
     finish: float | None = None
     tokens: int = 0
+    first_chunk_tokens: int = 0  # tokens that came with the first (they add no gap to itl)
     itl: list[float] = field(default_factory=list)
     _last: float = 0.0
 
@@ -35,6 +36,7 @@ class RequestTrace:
             return
         if self.first_token is None:
             self.first_token = t
+            self.first_chunk_tokens = n
         else:
             self.itl += [(t - self._last) / n] * n
         self._last = t

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over the Engine: `python -m graphexec.serve --model ...`.
 
-One thread owns the Engine and steps it (engine_loop.py); the asyncio event loop only parses,
-validates and streams (app.py and the route modules). They meet at two queues: a thread-safe
-inbox the handlers put commands into, and one asyncio.Queue per HTTP request that the engine
-thread fills through `call_soon_threadsafe`.
+A process of its own owns the Engine and steps it (engine_core.py); in the HTTP process, the
+asyncio event loop only parses, validates and streams (app.py and the route modules). They meet
+at two pipes (engine_loop.py): commands go down one, each iteration's outputs come up the
+other, and a reader thread hands them to one asyncio.Queue per HTTP request through
+`call_soon_threadsafe`. Each side has a core and a Python lock of its own.
 """

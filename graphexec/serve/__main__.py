@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -81,7 +82,7 @@ def engine_options(args: argparse.Namespace, ap_error) -> dict:
         opts["cuda_graphs"] = False
     if args.enable_prefix_caching:
         opts["enable_prefix_caching"] = True
-    # Options are checked here, before the port opens, rather than on the engine thread.
+    # Options are checked here, before the port opens, rather than in the engine process.
     try:
         if args.speculative_draft is not None:
             opts["speculative"] = SpeculativeConfig(args.speculative_draft,
@@ -122,11 +123,12 @@ def main(argv: list[str] | None = None) -> None:
 
     server: _Server | None = None
 
-    def on_fatal() -> None:  # from the engine thread; uvicorn polls should_exit
+    def on_fatal() -> None:  # from the event reader thread; uvicorn polls should_exit
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, lambda: Engine(args.model, **opts), on_fatal=on_fatal)
+    app = build_app(config, functools.partial(Engine, args.model, **opts), on_fatal=on_fatal,
+                    log_level=args.log_level)
     state = app.state.server
 
     def on_exit() -> None:  # in the signal handler: only flag setting and a reentrant put

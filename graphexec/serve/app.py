@@ -20,11 +20,12 @@ from .state import ServerState
 
 
 def build_app(config: ServeConfig, engine_factory: Callable[[], object],
-              on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """engine_factory builds the Engine; it runs on the engine thread, after the server is
-    listening, so /health can answer 503 while weights load and graphs are captured.
-    on_fatal: called (from the engine thread) if the engine fails to start or dies."""
-    loop = EngineLoop(engine_factory, on_fatal=on_fatal)
+              on_fatal: Callable[[], None] | None = None, log_level: str = "INFO") -> FastAPI:
+    """engine_factory builds the Engine; it runs in the engine process (so it must pickle),
+    started once the server is listening, so /health answers 503 while weights load and
+    graphs are captured. on_fatal: called (from the event reader thread) if the engine fails
+    to start or dies."""
+    loop = EngineLoop(engine_factory, on_fatal=on_fatal, log_level=log_level)
     metrics = ServerMetrics(lambda: loop.snapshot, loop.num_waiting)
     loop.observer = metrics.observe
     state = ServerState(config, loop, metrics)

@@ -1,8 +1,9 @@
-"""What crosses between the event loop and the engine thread, in both directions.
+"""What crosses between the HTTP process and the engine process, in both directions.
 
-Commands go in through a thread-safe inbox; events come back onto the asyncio.Queue of the HTTP
-request they belong to (its Sink). A request with n choices is n engine requests feeding one
-Sink; each event says which choice it is for.
+Commands go down a pipe to the engine process (engine_core.py); events come back up another,
+and the HTTP side puts each onto the asyncio.Queue of the HTTP request it belongs to (its
+Sink). A request with n choices is n engine requests feeding one Sink; each event says which
+choice it is for. Everything but Sink is pickled on its way.
 """
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ class Delta:
     finish_reason: str | None
     num_tokens: int  # output tokens so far, these included
 
+    def then(self, later: "Delta") -> "Delta":
+        """This delta and the next one of the same choice, as one."""
+        lps = None if self.logprobs is None and later.logprobs is None else (
+            (self.logprobs or []) + (later.logprobs or []))
+        return Delta(self.index, self.token_ids + later.token_ids, self.text + later.text, lps,
+                     later.finish_reason, later.num_tokens)
+
 
 Event = Admitted | Rejected | Delta
 
@@ -49,7 +57,7 @@ Event = Admitted | Rejected | Delta
 @dataclass(eq=False)
 class Sink:
     """One HTTP request's events, on the event loop. Created on the event loop (the queue binds
-    to it); filled only there, by the engine thread's call_soon_threadsafe callbacks."""
+    to it); filled only there, by the event reader thread's call_soon_threadsafe callbacks."""
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
@@ -62,7 +70,6 @@ class Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    sink: Sink
     index: int
 
 
@@ -80,4 +87,4 @@ class Drain:
 
 
 class Stop:
-    """Finish: abort what is left, close the engine, end the thread."""
+    """Finish: abort what is left, close the engine, end the engine process."""

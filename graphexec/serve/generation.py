@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
@@ -71,19 +72,31 @@ class Generation:
         self.state.metrics.prompt_tokens.inc(sum(len(j.prompt) for j in self.jobs))
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Every choice's outputs, in arrival order, until all have finished."""
-        while self._early:
-            ev = self._early.pop(0)
-            self._note(ev)
-            yield ev
-        while self._unfinished:
-            ev = await self.sink.queue.get()
-            if isinstance(ev, Rejected):  # the engine loop failed under us
+        """Every choice's outputs, in arrival order, until all have finished. Consecutive
+        deltas of one choice that are already queued come out as one: a stream that fell
+        behind (a slow client, a busy event loop) catches up in one chunk instead of paying
+        a chunk per step, and the work it costs falls as the load rises."""
+        pending = deque(self._early)
+        self._early.clear()
+        while pending or self._unfinished:
+            if not pending:
+                pending.append(await self.sink.queue.get())
+            while True:
+                try:
+                    pending.append(self.sink.queue.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            ev = pending.popleft()
+            if isinstance(ev, Rejected):  # the engine failed under us
                 self._unfinished.clear()
                 raise APIError(ev.message, status=ev.status, type="server_error")
-            if isinstance(ev, Delta):
-                self._note(ev)
-                yield ev
+            if not isinstance(ev, Delta):
+                continue
+            while (ev.finish_reason is None and pending and isinstance(pending[0], Delta)
+                   and pending[0].index == ev.index):
+                ev = ev.then(pending.popleft())
+            self._note(ev)
+            yield ev
 
     def _note(self, ev: Delta) -> None:
         if ev.finish_reason is not None:

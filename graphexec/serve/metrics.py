@@ -1,8 +1,8 @@
 """Prometheus metrics (prometheus_client), every name starting with graphexec_.
 
-Two sources: the engine's own counters (EngineSnapshot, published by the engine thread after
-each iteration and read at scrape time by a custom collector, so the engine thread never
-touches a metric), and per-request timings observed on the event loop as outputs are handed
+Two sources: the engine's own counters (EngineSnapshot, sent by the engine process after
+each iteration and read at scrape time by a custom collector, so the engine never touches a
+metric), and per-request timings observed on the event loop as outputs are handed
 over (time to first token and inter-token latency as the server hands them to the connection).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ class _EngineCollector:
         s = self._snapshot()
         gauges = (("requests_running", "Requests decoding in the engine's batch.", s.running),
                   ("requests_waiting", "Requests accepted but not running yet (queued, paused, "
-                   "or on their way to the engine thread).", self._waiting()),
+                   "or on their way to the engine).", self._waiting()),
                   ("requests_paused", "Requests out of the batch under KV pressure, KV kept.",
                    s.paused),
                   ("kv_blocks_used", "KV cache blocks in use.", s.kv_used),

@@ -1,8 +1,9 @@
 """What the request handlers need to know about the engine, read once when it is built.
 
-Handlers run on the event loop and never touch the Engine (its thread owns it); they validate
-against this frozen copy instead. The tokenizer is shared: encoding on the event loop while the
-engine thread decodes is safe (the `tokenizers` package is thread-safe for both)."""
+Handlers run on the event loop and never touch the Engine (its process owns it); they validate
+against this frozen copy instead, which the engine process sends once it is built. The
+tokenizer travels with it (a `tokenizers` tokenizer pickles): prompts are encoded on the HTTP
+side, outputs decoded on the engine side."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,7 +2,7 @@
 
 Ranges are checked by SamplingParams itself; its ValueError starts with the name of its own
 field, which is mapped back to the API's name for it (max_completion_tokens, top_logprobs...).
-The context limits are checked here, before admission, so the engine thread never sees a
+The context limits are checked here, before admission, so the engine never sees a
 request it would refuse.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prompts -> token ids, on the event loop, before anything reaches the engine thread.
+"""Prompts -> token ids, on the event loop, before anything reaches the engine.
 
 Token ids are checked against the vocabulary here so that a bad id is refused by name instead
 of being found by the engine; the context limit is checked with the params (params.py)."""

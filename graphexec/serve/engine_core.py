@@ -1,0 +1,223 @@
+"""The engine's own process: it builds the Engine and is the only code that ever touches it.
+
+The HTTP process (engine_loop.EngineLoop) and this one share nothing but two one-way pipes:
+commands come in (Add, Abort, Drain, Stop), and after every iteration one message goes out with
+the events of all the requests the step touched and the engine's counters. Apart from the
+HTTP process, the engine's host loop never waits for the Python lock of an event loop that is
+parsing requests or writing stream chunks, and the event loop never waits for a step: at
+thousands of tokens a second the two together need more than one core.
+
+Each iteration: take what the inbox holds (blocking only when the engine has nothing to do),
+apply it, step, and send the step's outputs. A thread of this process moves commands from the
+pipe into the inbox, so a step never waits for the pipe either.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from .events import Abort, Add, Admitted, Delta, Drain, Event, Rejected, Stop
+
+log = logging.getLogger("graphexec.serve")
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counters after an iteration, sent with its events for /metrics and
+    admission. Replaced whole on the HTTP side (one reference assignment), so a reader there
+    sees one consistent set."""
+
+    running: int = 0
+    waiting: int = 0  # queued in the engine, paused requests included
+    paused: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+    steps: int = 0
+    tokens: int = 0
+    pauses: int = 0
+    evictions: int = 0
+    chain_breaks: int = 0
+    batch_rows: int = 0  # rows over all launched steps (mean batch = batch_rows / steps)
+    cached_blocks: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @classmethod
+    def of(cls, engine) -> "EngineSnapshot":
+        s = engine.stats_summary()
+        return cls(running=s["running"], waiting=s["waiting"] + s["paused"], paused=s["paused"],
+                   kv_used=s["kv_used"], kv_total=s["kv_total"], steps=s["steps"],
+                   tokens=s["tokens"], pauses=s["pauses"], evictions=s["evictions"],
+                   chain_breaks=s["chain_breaks"], batch_rows=s["batch_rows"],
+                   cached_blocks=s["cached_blocks"],
+                   prefix_query_tokens=s["prefix_query_tokens"],
+                   prefix_hit_tokens=s["prefix_hit_tokens"])
+
+
+# Messages to the HTTP process, as tuples (cheap to pickle):
+#   ("ready", ModelInfo, EngineSnapshot)   the engine is built; serving from now on
+#   ("events", [(request_id, Event)], EngineSnapshot)   one iteration's outputs
+#   ("failed", message)   the engine failed to start, or its loop failed; the process ends
+#   ("stopped",)   a Stop was carried out: every request aborted, the engine closed
+Outbound = tuple
+
+
+@dataclass(slots=True)
+class _Live:
+    """An admitted request the loop still owes outputs to."""
+
+    index: int
+    wants_logprobs: bool
+    num_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, engine, send: Callable[[Outbound], None]):
+        self.engine = engine
+        self._send = send
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._abort_at: float | None = None  # set by Drain
+
+    def serve(self) -> None:
+        """Runs until a Stop (or the HTTP process goes away, which the reader turns into one);
+        then aborts what is left and runs the engine dry."""
+        engine = self.engine
+        while True:
+            events: list[tuple[str, Event]] = []
+            stop = self._apply(self._take(block=not engine.has_unfinished()), events)
+            if stop:
+                self._emit(events)
+                break
+            if self._abort_at is not None and time.monotonic() >= self._abort_at:
+                self._abort_at = None
+                for rid in list(self._live):
+                    self._abort(rid)
+            if engine.has_unfinished():
+                self._step(events)
+            self._emit(events)
+        refused = [(cmd.request_id, Rejected(cmd.index, "the server is shutting down", 503))
+                   for cmd in self._take(block=False) if isinstance(cmd, Add)]
+        for rid in list(self._live):
+            self._abort(rid)
+        while engine.has_unfinished():
+            events = []
+            self._step(events)
+            self._emit(events)
+        self._emit(refused, always=True)
+
+    def _take(self, block: bool) -> list:
+        # Idle: sleep on the inbox until a command comes (no polling). Busy: take whatever is
+        # there without waiting, and step.
+        items = [self.inbox.get()] if block else []
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _apply(self, commands: list, events: list[tuple[str, Event]]) -> bool:
+        stop = False
+        for cmd in commands:
+            if isinstance(cmd, Add):
+                if stop:
+                    events.append((cmd.request_id,
+                                   Rejected(cmd.index, "the server is shutting down", 503)))
+                else:
+                    events.append((cmd.request_id, self._add(cmd)))
+            elif isinstance(cmd, Abort):
+                if cmd.request_id in self._live:
+                    self._abort(cmd.request_id)
+            elif isinstance(cmd, Drain):
+                self._abort_at = time.monotonic() + cmd.grace
+            elif isinstance(cmd, Stop):
+                stop = True
+        return stop
+
+    def _add(self, cmd: Add) -> Event:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+        except ValueError as e:  # validation the handler could not do: refuse this one only
+            return Rejected(cmd.index, str(e), 400)
+        except Exception as e:  # noqa: BLE001 -- one bad request must not end the loop
+            log.exception("add_request(%s) failed", cmd.request_id)
+            return Rejected(cmd.index, f"the engine could not take the request: {e}", 500)
+        self._live[cmd.request_id] = _Live(cmd.index, cmd.params.logprobs is not None)
+        return Admitted(cmd.index)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except ValueError:
+            pass  # it ended in the same step the client left: nothing to free
+
+    def _step(self, events: list[tuple[str, Event]]) -> None:
+        for out in self.engine.step():
+            lv = self._live.get(out.request_id)
+            if lv is None:
+                continue
+            new = out.new_token_ids
+            lv.num_tokens += len(new)
+            lps = out.logprobs[-len(new):] if lv.wants_logprobs and new else None
+            if out.finished:
+                del self._live[out.request_id]
+            events.append((out.request_id, Delta(lv.index, new, out.new_text or "", lps,
+                                                 out.finish_reason, lv.num_tokens)))
+
+    def _emit(self, events: list[tuple[str, Event]], always: bool = False) -> None:
+        # One message per iteration, whatever the batch size. An idle wake-up that produced
+        # nothing sends nothing, unless the counters must reach /metrics (always).
+        if events or always:
+            self._send(("events", events, EngineSnapshot.of(self.engine)))
+
+
+def _read_commands(conn: Connection, inbox: queue.SimpleQueue) -> None:
+    """The reader thread: pipe -> inbox. The HTTP process gone (EOF) counts as a Stop."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(Stop())
+
+
+def run_engine_process(factory: Callable[[], object], commands: Connection, events: Connection,
+                       log_level: str = "INFO") -> None:
+    """The engine process's main (a spawn target: factory must pickle)."""
+    # Shutdown is the HTTP process's to decide: a SIGINT or SIGTERM sent to the whole process
+    # group must not end the engine under requests that are still being drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .model_info import ModelInfo
+
+    try:
+        engine = factory()
+        events.send(("ready", ModelInfo.of(engine), EngineSnapshot.of(engine)))
+    except BaseException as e:  # noqa: BLE001 -- reported to the HTTP process
+        log.exception("the engine failed to start")
+        events.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    core = EngineCore(engine, events.send)
+    threading.Thread(target=_read_commands, args=(commands, core.inbox),
+                     name="graphexec-commands", daemon=True).start()
+    try:
+        core.serve()
+        events.send(("stopped",))
+    except BaseException as e:  # noqa: BLE001
+        log.exception("the engine loop failed")
+        try:
+            events.send(("failed", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass  # the HTTP process is gone: nobody to tell
+    finally:
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 -- closing is best effort on the way out
+            log.exception("closing the engine failed")
