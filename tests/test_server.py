@@ -325,14 +325,17 @@ def test_sigterm_mid_stream_ends_cleanly():
         srv.stop()
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """The children of `pid` started by multiprocessing's spawn (not its resource tracker)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)],
+                         capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "multiprocessing.spawn" in line]
+
+
 def _engine_process(server_pid: int) -> int:
-    """The pid of the server's engine process: its child started by multiprocessing's spawn
-    (beside it runs multiprocessing's resource tracker)."""
-    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)],
-                         capture_output=True, text=True, check=True).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines()
-            if "multiprocessing.spawn" in line]
-    assert len(pids) == 1, out
+    """The pid of the server's engine process."""
+    pids = _spawned_children(server_pid)
+    assert len(pids) == 1, pids
     return pids[0]
 
 
@@ -345,5 +348,29 @@ def test_engine_process_death_fails_open_streams_and_exits():
         assert "engine" in json.loads(ends[-2][6:])["error"]["message"]
         assert srv.proc.wait(30) == 1, srv.output()  # the server does not outlive its engine
         assert "the engine failed" in srv.output()
+    finally:
+        srv.stop()
+
+
+def test_tensor_parallel_server_answers_as_one_rank_does():
+    from graphexec import LLM, SamplingParams
+
+    prompt, n = _ids(6, start=40), 12
+    with LLM("tiny", device="cpu", max_batch=4) as llm:
+        expected = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0,
+                                                         ignore_eos=True))[0].token_ids
+    srv = Server("tiny", "--tensor-parallel-size", "2", "--max-batch", "4")
+    try:
+        out = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}).json()
+        assert out["choices"][0]["token_ids"] == list(expected)
+        workers = _spawned_children(_engine_process(srv.proc.pid))
+        assert len(workers) == 1  # the engine process started rank 1
+        assert srv.stop() == 0, srv.output()
+        with pytest.raises(ProcessLookupError):  # and SIGTERM to the server ended it too
+            for _ in range(100):
+                os.kill(workers[0], 0)
+                time.sleep(0.1)
     finally:
         srv.stop()

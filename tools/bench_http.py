@@ -47,7 +47,7 @@ DEFAULT_BLOCK_SIZE = 16
 # Engine options with a graphexec.serve flag of the same name (--max-batch for max_batch...).
 SERVER_FLAGS = ("device", "dtype", "max_batch", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "block_size", "seed", "max_num_batched_tokens", "manifest",
-                "projections")
+                "projections", "tensor_parallel_size")
 # /metrics series -> the stats_summary() keys the report reads (serve_report.engine_counters)
 METRICS = {"graphexec_engine_steps_total": "steps", "graphexec_engine_pauses_total": "pauses",
            "graphexec_engine_evictions_total": "evictions",

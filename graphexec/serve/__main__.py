@@ -21,7 +21,8 @@ _ENGINE_FLAGS = {"device": "device", "dtype": "dtype", "max_batch": "max_batch",
                  "max_model_len": "max_model_len", "num_kv_blocks": "num_kv_blocks",
                  "kv_cache_memory": "kv_cache_memory", "block_size": "block_size",
                  "seed": "seed", "max_num_batched_tokens": "max_num_batched_tokens",
-                 "manifest": "manifest", "projections": "projections"}
+                 "manifest": "manifest", "projections": "projections",
+                 "tensor_parallel_size": "tensor_parallel_size"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens per step, decode rows plus prompt chunks")
     ap.add_argument("--enable-prefix-caching", action="store_true",
                     help="reuse the KV of prompt prefixes seen before")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="GPUs (CPU processes) the model is split over, one worker each")
     ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
     ap.add_argument("--projections", default=None, help="auto, cublas or triton")
     ap.add_argument("--speculative-draft", default=None,
