@@ -3,8 +3,8 @@
 Open-loop Poisson arrivals at --rate for --duration seconds, a mix of streamed and non-streamed
 completions (token-id prompts, ignore_eos, so every finished request must carry exactly
 max_tokens tokens), some clients hanging up mid-stream or mid-wait. Refusals (503, the queue
-is full) are expected above capacity and counted apart. Throughout, the server's RSS and /health
-are sampled. At the end: every request must have an outcome (none lost, none hung), the engine
+is full) are expected above capacity and counted apart. Throughout, the server's RSS (its
+engine process included) and /health are sampled. At the end: every request must have an outcome (none lost, none hung), the engine
 must drain to zero running / waiting / KV blocks, and (when this script started the server)
 SIGTERM must end it with status 0.
 
@@ -54,12 +54,27 @@ class Samples:
 
 
 def _rss_mb(pid: int) -> float | None:
+    """The resident memory of the server and every process under it (its engine process)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-        return int(m.group(1)) / 1024 if m else None
     except OSError:
         return None
+    total = int(m.group(1)) / 1024 if m else 0.0
+    for child in _children(pid):
+        total += _rss_mb(child) or 0.0
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
 
 
 def _metric(text: str, name: str) -> float | None:
