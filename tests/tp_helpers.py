@@ -8,38 +8,44 @@ from graphexec.parallel import process_group
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
 
 
-def _rank_logits(models: list[str], shard) -> list[torch.Tensor]:
+def _rank_logits(models: list[str], shard, device: torch.device,
+                 dtype: torch.dtype) -> list[torch.Tensor]:
     from test_hf_parity import _graphexec_prefill_logits
 
-    return [torch.cat(_graphexec_prefill_logits(m, "cpu", torch.float32, PROMPTS, shard=shard))
-            for m in models]
+    return [torch.cat(_graphexec_prefill_logits(m, device, dtype, PROMPTS, shard=shard)).float()
+            .cpu() for m in models]
 
 
-def _other_rank(rank: int, size: int, port: int, models: list[str], conn) -> None:
+def _other_rank(rank: int, size: int, port: int, models: list[str], conn,
+                device: torch.device, dtype: torch.dtype) -> None:
+    device = process_group.rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = process_group.connect_store(port, size)
-    shard = process_group.join_process_group(rank, size, torch.device("cpu"), store)
+    shard = process_group.join_process_group(rank, size, device, store)
     try:
-        conn.send([t.numpy() for t in _rank_logits(models, shard)])
+        conn.send([t.numpy() for t in _rank_logits(models, shard, device, dtype)])
     finally:
         process_group.leave_process_group()
 
 
-def sharded_logits(models: list[str], size: int) -> list[list[torch.Tensor]]:
-    """Per rank, per model: the prefill logits of PROMPTS with the weights split over `size`
-    ranks (gloo)."""
+def sharded_logits(models: list[str], size: int, device: torch.device = torch.device("cpu"),
+                   dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
+    """Per rank, per model: the prefill logits of PROMPTS (fp32, on the CPU) with the weights
+    split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
     ctx = mp.get_context("spawn")
     store = process_group.host_store(size)
     procs, conns = [], []
     for rank in range(1, size):
         ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_other_rank, args=(rank, size, store.port, models, theirs),
-                        daemon=True)
+        p = ctx.Process(target=_other_rank, daemon=True,
+                        args=(rank, size, store.port, models, theirs, device, dtype))
         p.start()
         procs.append(p)
         conns.append(ours)
-    shard = process_group.join_process_group(0, size, torch.device("cpu"), store)
+    shard = process_group.join_process_group(0, size, device, store)
     try:
-        out = [_rank_logits(models, shard)]
+        out = [_rank_logits(models, shard, device, dtype)]
         out += [[torch.from_numpy(a) for a in c.recv()] for c in conns]
     finally:
         process_group.leave_process_group()
