@@ -6,6 +6,10 @@ Brings a batch to steady-state decode, then replays its graph under torch.profil
 the kernels inside a graph replay) and prints, per kernel name, calls and GPU time per step,
 plus the sum of kernel time against the wall time of a replay: the difference is the gaps
 between kernels (launch latency inside the graph), which no faster kernel can remove.
+
+`--engine-gaps STEPS` instead runs the real async loop and times the gaps between iterations;
+with `--tp 2` it does so at tensor_parallel_size 2 and reports rank 0's all-reduce time per step
+(`GRAPHEXEC_PDL=0` for kernel times that add up to the step).
 """
 from __future__ import annotations
 
@@ -113,12 +117,16 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
                 kernels=[dict(name=n[:90], calls=c, us=round(t, 2)) for n, c, t in kernels])
 
 
-def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128) -> dict:
+def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128, tp: int = 1) -> dict:
     """The time between decode iterations in the real async loop (engine.step), where the
     copies of results, deltas and the graph launch sit: per-gap statistics from the runner's
-    CUDA events, then one profiled stretch that names what the GPU ran inside the gaps."""
+    CUDA events, then one profiled stretch that names what the GPU ran inside the gaps and
+    what each kernel took per step (rank 0's GPU under tensor parallelism: there the
+    all-reduce kernels are listed too; with PDL on, overlapping kernels add up to more than the
+    step, so GRAPHEXEC_PDL=0 gives shares that add up)."""
     llm = LLM(model, max_batch=batch, max_model_len=prompt_len + 2 * steps + 64,
-              buckets=[batch], num_kv_blocks=batch * (prompt_len + 2 * steps + 64) // 16 + 8)
+              buckets=[batch], num_kv_blocks=batch * (prompt_len + 2 * steps + 64) // 16 + 8,
+              tensor_parallel_size=tp)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=2 * steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -139,6 +147,10 @@ def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128) -> di
     ops = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
                   if ev.device_type == torch.autograd.DeviceType.CUDA), key=lambda x: x[0])
     non_kernel: dict[str, list] = defaultdict(lambda: [0, 0.0])  # copies and sets: calls, us
+    kernels: dict[str, list] = defaultdict(lambda: [0, 0.0])  # every op on the GPU: calls, us
+    for s, e, n in ops:
+        kernels[n[:90]][0] += 1
+        kernels[n[:90]][1] += e - s
     idle: dict[str, list] = defaultdict(lambda: [0, 0.0])  # "before -> after": count, us
     for (s0, e0, n0), (s1, _, n1) in zip(ops, ops[1:]):
         if s1 - e0 > 1.0:
@@ -156,8 +168,14 @@ def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128) -> di
         return dict(mean=sum(xs) / len(xs), median=xs[len(xs) // 2], p90=xs[int(len(xs) * 0.9)],
                     max=xs[-1])
 
-    return dict(model=model, batch=batch, steps=len(tl), busy_us=stats(busy), gap_us=stats(gaps),
-                profiled_steps=n_prof,
+    per_step = sorted(((k, c / n_prof, t / n_prof) for k, (c, t) in kernels.items()),
+                      key=lambda x: -x[2])
+    collective_us = sum(t for k, _, t in per_step if "nccl" in k.lower() or "allreduce" in
+                        k.replace("_", "").lower())
+    return dict(model=model, batch=batch, tensor_parallel_size=tp, steps=len(tl),
+                busy_us=stats(busy), gap_us=stats(gaps), profiled_steps=n_prof,
+                all_reduce_us_per_step=collective_us,
+                kernels_per_step=per_step[:40],
                 idle_per_step=sorted(((k, c / n_prof, t / n_prof) for k, (c, t) in idle.items()),
                                      key=lambda x: -x[2])[:20],
                 copies_per_step=sorted(((k, c / n_prof, t / n_prof)
@@ -177,12 +195,15 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--engine-gaps", type=int, default=0, metavar="STEPS",
                     help="instead: time the gaps between iterations of the async loop")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="with --engine-gaps: tensor_parallel_size (all-reduce time per step)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.engine_gaps:
         for b in args.batch:
-            res = engine_gaps(args.model, b, args.engine_gaps)
-            with open(os.path.join(args.out, f"gaps_{args.model}_b{b}.json"), "w") as f:
+            res = engine_gaps(args.model, b, args.engine_gaps, tp=args.tp)
+            tag = f"_tp{args.tp}" if args.tp > 1 else ""
+            with open(os.path.join(args.out, f"gaps_{args.model}_b{b}{tag}.json"), "w") as f:
                 json.dump(res, f, indent=1)
             print(json.dumps(res, indent=1))
         return
