@@ -73,14 +73,21 @@ class DecodeState:
         self.device = device
         r = max_rows + 1
         i64 = dict(device=device, dtype=torch.int64)
-        self.input_ids = torch.zeros(r, **i64)
-        self.positions = torch.zeros(r, **i64)  # position the next forward writes; seq_len = +1
-        self.steps = torch.zeros(r, **i64)  # index of the output token the next sample draws
-        self.seeds = torch.zeros(r, **i64)
-        self.min_tokens = torch.zeros(r, **i64)
-        self.top_k = torch.zeros(r, **i64)
-        self.temperature = torch.zeros(r, device=device, dtype=torch.float32)
-        self.top_p = torch.ones(r, device=device, dtype=torch.float32)
+        # The per-row numbers a batch change moves together are rows of two buffers, so that a
+        # compaction gathers each buffer with one index_select and a joining row writes each
+        # with one index_put: under churn the batch changes nearly every step, and each eager
+        # op there is host time before the replay. Every field is a contiguous view; rows are
+        # padded to 16 elements so that every view starts 16-byte aligned.
+        pad = -(-r // 16) * 16
+        self._row_ints = torch.zeros(6, pad, **i64)
+        self._row_floats = torch.zeros(2, pad, device=device, dtype=torch.float32)
+        # (the order of pack_delta's new-row columns)
+        (self.seeds, self.min_tokens, self.top_k, self.input_ids, self.positions,
+         self.steps) = (row[:r] for row in self._row_ints)
+        # positions: where the next forward writes (seq_len = +1); steps: the index of the
+        # output token the next sample draws
+        self.temperature, self.top_p = (row[:r] for row in self._row_floats)
+        self.top_p.fill_(1.0)
         self.stop_ids = torch.full((r, MAX_STOP_IDS), -1, **i64)
         self.block_tables = torch.full((r, self.max_cols), scratch_block, device=device,
                                        dtype=torch.int32)
@@ -98,9 +105,9 @@ class DecodeState:
         self.out_logprob = torch.zeros(r, w, **f32)
         self.out_top_logprobs = torch.zeros(r, w, num_logprobs, **f32)
         self.out_top_ids = torch.zeros(r, w, num_logprobs, **i64)
-        self._row_fields = [self.input_ids, self.positions, self.steps, self.seeds,
-                            self.min_tokens, self.top_k, self.temperature, self.top_p,
-                            self.stop_ids, self.block_tables]
+        # (buffer, its row dimension): what a compaction gathers
+        self._row_fields = [(self._row_ints[:, :r], 1), (self._row_floats[:, :r], 1),
+                            (self.stop_ids, 0), (self.block_tables, 0)]
 
     def apply_delta(self, delta: StepDelta, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Applies a delta whose numbers were packed by `pack_delta` and already copied to the
@@ -109,20 +116,17 @@ class DecodeState:
         if delta.row_map is not None:
             gather = ints[o:o + self.max_rows + 1]
             o += self.max_rows + 1
-            for buf in self._row_fields:
-                buf.copy_(buf.index_select(0, gather))
+            for buf, dim in self._row_fields:
+                buf.copy_(buf.index_select(dim, gather))
         n_new = len(delta.new_rows)
         if n_new:
             rows = ints[o:o + n_new]
             width = _NEW_ROW_INTS + MAX_STOP_IDS
             cols = ints[o + n_new:o + (1 + width) * n_new].view(width, n_new)
             o += (1 + width) * n_new
-            for j, buf in enumerate((self.seeds, self.min_tokens, self.top_k, self.input_ids,
-                                     self.positions, self.steps)):
-                buf[rows] = cols[j]
+            self._row_ints[:, rows] = cols[:_NEW_ROW_INTS]
             self.stop_ids[rows] = cols[_NEW_ROW_INTS:].t()
-            self.temperature[rows] = floats[:n_new]
-            self.top_p[rows] = floats[n_new:2 * n_new]
+            self._row_floats[:, rows] = floats[:2 * n_new].view(2, n_new)
         n_ent = len(delta.block_entries)
         if n_ent:
             e = ints[o:o + 3 * n_ent].view(3, n_ent)
