@@ -24,7 +24,7 @@ from .outputs import RequestOutput
 from .request import Request, Status
 from .request_text import RequestText
 from .parallel import build_ranks
-from .rank import kv_bytes_per_block, resolve_max_model_len  # noqa: F401 (tools import the first)
+from .rank import resolve_max_model_len
 from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Plan, Scheduler

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import LLM, SamplingParams  # noqa: E402
 from graphexec.kernels import PROJECTIONS  # noqa: E402
-from graphexec.engine import kv_bytes_per_block  # noqa: E402
+from graphexec.rank import kv_bytes_per_block  # noqa: E402
 from graphexec.model import preset  # noqa: E402
 
 MODES = {"async+graphs": dict(async_scheduling=True, cuda_graphs=True),

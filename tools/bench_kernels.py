@@ -360,7 +360,7 @@ def bench_forward(model: str = "llama-1b", batch: int = 1, context: int = 192,
     from graphexec import LLM
     from graphexec.model import preset
     from graphexec.model.llama import AttentionInputs
-    from graphexec.engine import kv_bytes_per_block
+    from graphexec.rank import kv_bytes_per_block
 
     copy_gbps = copy_gbps or _copy_bandwidth()["GB_per_s"]
     mc, bs = preset(model), 16
