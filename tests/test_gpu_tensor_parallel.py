@@ -7,7 +7,7 @@ import torch
 from graphexec import Engine, SamplingParams
 from test_engine import _mixed_requests, _same, run_engine
 from test_hf_parity import _graphexec_prefill_logits
-from tp_helpers import PROMPTS, sharded_logits
+from tp_helpers import PROMPTS, on_every_rank, sharded_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -81,3 +81,43 @@ def test_greedy_at_size_2_mostly_agrees_with_size_1_in_bf16():
             outs[size] = done
     first = sum(outs[1][r][:4] == outs[2][r][:4] for r in outs[1])
     assert first >= 10, (outs[1], outs[2])
+
+
+def _reduce_both_ways(shard, device, shapes):
+    """This rank's operand (seeded by rank) and what each path makes of it: the symmetric
+    one-shot (eager, and replayed from a CUDA graph) and NCCL."""
+    import torch.distributed as dist
+
+    out = []
+    for i, shape in enumerate(shapes):
+        gen = torch.Generator(device=device).manual_seed(100 * i + shard.rank)
+        x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+        fits = shard.reducer.fits(x)
+        eager = shard.all_reduce(x.clone())
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = shard.all_reduce(static)
+        static.copy_(x)
+        graph.replay()
+        nccl = x.clone()
+        dist.all_reduce(nccl, group=shard.group)
+        torch.cuda.synchronize()
+        out.append((fits, x.cpu(), eager.cpu(), captured.cpu(), nccl.cpu()))
+    return out
+
+
+def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch):
+    """The one-shot reducer (GRAPHEXEC_ALL_REDUCE's default) sums what NCCL sums, bit for bit at
+    two ranks (one rounding of the same exact sum), also replayed from a captured graph; a
+    message over its size limit goes to NCCL."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "symm_mem")
+    shapes = [(1, 4096), (64, 4096), (7, 2048), (1024, 4096)]  # the last one: 8 MiB, NCCL
+    ranks = on_every_rank(_reduce_both_ways, (shapes,), 2, CUDA)
+    for i, shape in enumerate(shapes):
+        fits, x0, eager, captured, nccl = ranks[0][i]
+        x1 = ranks[1][i][1]
+        assert fits == (i < 3), shape
+        want = (x0.float() + x1.float()).to(torch.bfloat16)
+        for got in (eager, captured, nccl, ranks[1][i][2]):
+            assert torch.equal(got, want), shape

@@ -16,37 +16,37 @@ def _rank_logits(models: list[str], shard, device: torch.device,
             .cpu() for m in models]
 
 
-def _other_rank(rank: int, size: int, port: int, models: list[str], conn,
-                device: torch.device, dtype: torch.dtype) -> None:
+def _other_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
+                device: torch.device) -> None:
     device = process_group.rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = process_group.connect_store(port, size)
     shard = process_group.join_process_group(rank, size, device, store)
     try:
-        conn.send([t.numpy() for t in _rank_logits(models, shard, device, dtype)])
+        conn.send(fn(shard, device, *args))
     finally:
         process_group.leave_process_group()
 
 
-def sharded_logits(models: list[str], size: int, device: torch.device = torch.device("cpu"),
-                   dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
-    """Per rank, per model: the prefill logits of PROMPTS (fp32, on the CPU) with the weights
-    split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
+def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
+    """fn(shard, device, *args) on each of `size` ranks (rank 0 in this process, the others
+    spawned; gloo on the CPU, NCCL over `size` GPUs from `device` on): each rank's result, which
+    must pickle. fn must be importable by name (a module-level function)."""
     ctx = mp.get_context("spawn")
     store = process_group.host_store(size)
     procs, conns = [], []
     for rank in range(1, size):
         ours, theirs = ctx.Pipe()
         p = ctx.Process(target=_other_rank, daemon=True,
-                        args=(rank, size, store.port, models, theirs, device, dtype))
+                        args=(rank, size, store.port, fn, args, theirs, device))
         p.start()
         procs.append(p)
         conns.append(ours)
     shard = process_group.join_process_group(0, size, device, store)
     try:
-        out = [_rank_logits(models, shard, device, dtype)]
-        out += [[torch.from_numpy(a) for a in c.recv()] for c in conns]
+        out = [fn(shard, device, *args)]
+        out += [c.recv() for c in conns]
     finally:
         process_group.leave_process_group()
         for p in procs:
@@ -54,3 +54,15 @@ def sharded_logits(models: list[str], size: int, device: torch.device = torch.de
             if p.is_alive():
                 p.kill()
     return out
+
+
+def _logits_as_arrays(shard, device: torch.device, models: list[str], dtype: torch.dtype):
+    return [t.numpy() for t in _rank_logits(models, shard, device, dtype)]
+
+
+def sharded_logits(models: list[str], size: int, device: torch.device = torch.device("cpu"),
+                   dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
+    """Per rank, per model: the prefill logits of PROMPTS (fp32, on the CPU) with the weights
+    split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
+    ranks = on_every_rank(_logits_as_arrays, (models, dtype), size, device)
+    return [[torch.from_numpy(a) for a in arrays] for arrays in ranks]

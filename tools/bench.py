@@ -68,12 +68,17 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def weight_bytes_per_rank(mc, tp: int) -> int:
-    """bf16 bytes of weights one rank counts per step: its share of the layers, and the
-    embedding and LM head whole (replicated; counted whole as at tp 1)."""
-    replicated = mc.num_parameters() - mc.num_layers * (
+    """bf16 bytes of weights one rank counts per step: its share of the layers, its share of
+    the LM head (split by vocabulary when tp divides it, as model/shard.py does), and the rest
+    (embedding, norms) whole, as at tp 1."""
+    layers = mc.num_layers * (
         mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size
         + 3 * mc.hidden_size * mc.intermediate_size)
-    return 2 * (replicated + (mc.num_parameters() - replicated) // tp)
+    replicated = mc.num_parameters() - layers
+    if tp > 1 and mc.vocab_size % tp == 0:
+        head = mc.vocab_size * mc.hidden_size  # tied or not, the head streams this much
+        replicated -= head - head // tp
+    return 2 * (replicated + layers // tp)
 
 
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,

@@ -80,7 +80,6 @@ class LlamaModel:
                  max_positions: int, shard: Shard = UNSHARDED):
         """config: the shape these weights compute (a rank's share: shard.config)."""
         self.config = config
-        self.weights = weights
         self.shard = shard
         if shard.sharded:
             # o and down return partial sums here. An op set that adds the residual stream in
@@ -88,6 +87,11 @@ class LlamaModel:
             # would normalise a partial sum: the plain projections instead, each summed by an
             # all-reduce, with the residual added once, after it, by the next norm.
             ops = replace(ops, out_linear=None, mlp=None)
+            whole = weights.lm_head.shape[0] == config.vocab_size  # a self-draft's is split
+            if whole and shard.splits_vocab(config.vocab_size):
+                # a copy of this rank's rows (tied embeddings keep the whole table for lookup)
+                weights = replace(weights, lm_head=shard.part(weights.lm_head, 0))
+        self.weights = weights
         self.ops = ops
         device = weights.embed.device
         self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
@@ -157,6 +161,8 @@ class LlamaModel:
         w = self.weights
         logits, _ = self.ops.norm_linear(hidden.out, hidden.residual, w.norm,
                                          self.config.rms_norm_eps, w.lm_head)
+        if logits.shape[-1] != self.config.vocab_size:  # this rank's slice of the vocabulary
+            logits = self.shard.gather_vocab(logits)
         return logits
 
     def _attention(self, qkv, positions, attn: AttentionInputs, layer: LayerWeights,

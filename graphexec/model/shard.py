@@ -4,8 +4,10 @@ qkv and gate_up are split by output rows (each rank computes whole heads and a s
 width), o and down by input columns, so each of those two returns a partial sum that one
 all-reduce completes. KV heads are divided like the query heads: rank r holds query heads
 [r * Hq / n, (r + 1) * Hq / n) and the KV heads they read, and only those heads' paged cache.
-Embedding, norms and the LM head are replicated: every rank then computes the same logits and
-samples the same tokens, so the device-resident next inputs never diverge.
+The LM head is split by vocabulary rows when the size divides the vocabulary (each rank streams
+its slice, one all-gather joins the logits; at batch 1 the head is a tenth of llama-8b's bytes),
+else replicated. Embedding and norms are replicated. Every rank ends with the same whole logits
+and samples the same tokens, so the device-resident next inputs never diverge.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ class Shard:
     size: int = 1
     # The torch.distributed group the partial sums are reduced over (None when size == 1).
     group: object | None = None
+    # Small sums go through this instead of the group's NCCL all-reduce when set
+    # (parallel/symmetric.py: a one-shot all-reduce over symmetric memory).
+    reducer: object | None = None
 
     @property
     def sharded(self) -> bool:
@@ -48,6 +53,23 @@ class Shard:
         n = full // self.size
         return self.rank * n, (self.rank + 1) * n
 
+    def splits_vocab(self, vocab_size: int) -> bool:
+        return self.sharded and vocab_size % self.size == 0
+
+    def gather_vocab(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, V / size] logits of this rank's vocabulary slice -> [T, V], the same on every
+        rank."""
+        if not self.sharded:
+            return t
+        import torch.distributed as dist
+
+        rows, cols = t.shape
+        parts = torch.empty((self.size * rows, cols), dtype=t.dtype, device=t.device)
+        # all_gather_single is the newer name of the same collective
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(parts, t.contiguous(), group=self.group)
+        return parts.view(self.size, rows, cols).transpose(0, 1).reshape(rows, self.size * cols)
+
     def part(self, t: torch.Tensor, dim: int | None) -> torch.Tensor:
         """This rank's slice of a whole tensor along dim (None: replicated). A copy, so the
         whole tensor can be freed."""
@@ -57,11 +79,15 @@ class Shard:
         return t.narrow(dim, start, stop - start).clone()
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sums a row-parallel projection's partial outputs over the ranks, in place."""
-        if self.sharded:
-            import torch.distributed as dist
+        """Sums a row-parallel projection's partial outputs over the ranks: in place through
+        NCCL or gloo, into a new tensor through the reducer."""
+        if not self.sharded:
+            return t
+        if self.reducer is not None and self.reducer.fits(t):
+            return self.reducer(t)
+        import torch.distributed as dist
 
-            dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t, group=self.group)
         return t
 
 

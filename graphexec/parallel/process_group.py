@@ -2,12 +2,14 @@
 on the CPU, over a TCP store that rank 0 hosts on this machine (the ranks are its processes)."""
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..model.shard import Shard
+from .symmetric import make_reducer
 
 HOST = "127.0.0.1"
 # Rendezvous and start-up collectives wait for the slowest rank to load its shard from disk
@@ -16,6 +18,8 @@ START_TIMEOUT = timedelta(minutes=10)
 # A collective inside a step: a rank that has not joined by then is hung. (A rank that died is
 # noticed sooner: its sockets close, and rank 0 checks the workers' exit codes every step.)
 STEP_TIMEOUT = timedelta(seconds=60)
+# How long leaving the process group may take before it is given up on.
+LEAVE_TIMEOUT_S = 20.0
 
 
 def host_store(size: int) -> dist.TCPStore:
@@ -42,9 +46,22 @@ def join_process_group(rank: int, size: int, device: torch.device,
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=START_TIMEOUT)
-    return Shard(rank, size, dist.new_group(timeout=STEP_TIMEOUT))
+    group = dist.new_group(timeout=STEP_TIMEOUT)
+    return Shard(rank, size, group, make_reducer(group, device, size))
 
 
-def leave_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def leave_process_group(abort: bool = False) -> bool:
+    """Destroys the groups; False if that did not finish within LEAVE_TIMEOUT_S. Shutting an
+    NCCL communicator down can wait for its peers (it was a collective in some NCCL versions),
+    so every rank should leave at about the same time; a rank whose peer died aborts instead,
+    since the peer will never come."""
+    if not dist.is_initialized():
+        return True
+    end = dist.destroy_process_group
+    if abort:
+        end = getattr(dist.distributed_c10d, "_abort_process_group", end)
+    # A daemon thread: should the shutdown hang anyway, the caller still gets control back.
+    thread = threading.Thread(target=end, name="graphexec-leave-group", daemon=True)
+    thread.start()
+    thread.join(LEAVE_TIMEOUT_S)
+    return not thread.is_alive()

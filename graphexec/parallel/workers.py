@@ -8,6 +8,7 @@ worker is gone and why."""
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class WorkerGroup:
     shard: Shard | None = None  # rank 0's, once the process group is joined
     failure: TensorParallelError | None = None
     _store: object | None = field(default=None, repr=False)
+    _joining: bool = False  # set before the process group is joined: close() must leave it
 
     @classmethod
     def start(cls, cfg: EngineConfig) -> "WorkerGroup":
@@ -68,6 +70,7 @@ class WorkerGroup:
                 theirs.close()
                 group.workers.append(_Worker(rank, proc, ours))
             group._await_hello()
+            group._joining = True
             group.shard = process_group.join_process_group(0, size, cfg.device, store)
         except BaseException:
             group.close()
@@ -178,6 +181,14 @@ class WorkerGroup:
                 w.conn.send_bytes(stop)
             except OSError:
                 pass
+        # Leave the group while the workers leave theirs: an NCCL shutdown may wait for every
+        # rank, so waiting for the workers to exit first would hang both sides until the
+        # signal below, and then rank 0 on a peer that is gone.
+        if self._joining:
+            if not process_group.leave_process_group(abort=self.failure is not None):
+                print("graphexec: leaving the tensor-parallel process group timed out",
+                      file=sys.stderr)
+            self.shard, self._joining = None, False
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for w in self.workers:
             w.process.join(max(0.0, deadline - time.monotonic()))
@@ -189,7 +200,4 @@ class WorkerGroup:
                 w.process.join()
             w.conn.close()
         self.workers = []
-        if self.shard is not None:
-            process_group.leave_process_group()
-            self.shard = None
         self._store = None
