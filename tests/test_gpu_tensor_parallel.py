@@ -108,7 +108,7 @@ def _reduce_both_ways(shard, device, shapes):
 
 
 def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch):
-    """The one-shot reducer (GRAPHEXEC_ALL_REDUCE's default) sums what NCCL sums, bit for bit at
+    """The one-shot reducer (GRAPHEXEC_ALL_REDUCE=symm_mem) sums what NCCL sums, bit for bit at
     two ranks (one rounding of the same exact sum), also replayed from a captured graph; a
     message over its size limit goes to NCCL."""
     monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "symm_mem")
