@@ -96,13 +96,14 @@ class Engine:
         if self.config.device.type == "cuda" and not tp_failed:
             torch.cuda.synchronize(self.config.device)
         self._closed = True
-        if self.workers is not None:
-            self.workers.close()
         self.requests.clear()
         self.in_flight.clear()
         self._aborted = []
         self.runner = self.model = self.kv = self.scheduler = self.pool = None
+        # The graphs go before the process group: they hold NCCL work captured on it.
         gc.collect()
+        if self.workers is not None:
+            self.workers.close()
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
 

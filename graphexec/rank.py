@@ -50,6 +50,7 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
     spec = cfg.speculative
     k = spec.num_tokens if spec is not None else 0
     model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + k, shard=shard)
+    del weights  # under tensor parallelism model.weights holds the LM head's slice, not this
     draft = build_draft(spec, model, kv, max_len, cfg.seed) if spec is not None else None
     # the largest prefill a step runs: the whole budget when no row decodes
     runner = make_runner(model, kv, cfg.max_batch, max_len, cfg.block_size,

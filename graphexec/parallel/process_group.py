@@ -18,8 +18,6 @@ START_TIMEOUT = timedelta(minutes=10)
 # A collective inside a step: a rank that has not joined by then is hung. (A rank that died is
 # noticed sooner: its sockets close, and rank 0 checks the workers' exit codes every step.)
 STEP_TIMEOUT = timedelta(seconds=60)
-# How long leaving the process group may take before it is given up on.
-LEAVE_TIMEOUT_S = 20.0
 
 
 def host_store(size: int) -> dist.TCPStore:
@@ -47,21 +45,26 @@ def join_process_group(rank: int, size: int, device: torch.device,
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=START_TIMEOUT)
     group = dist.new_group(timeout=STEP_TIMEOUT)
+    # The group's communicator is made at its first collective: here, before the weights fill
+    # the device, rather than inside the first graph capture.
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
     return Shard(rank, size, group, make_reducer(group, device, size))
 
 
-def leave_process_group(abort: bool = False) -> bool:
-    """Destroys the groups; False if that did not finish within LEAVE_TIMEOUT_S. Shutting an
-    NCCL communicator down can wait for its peers (it was a collective in some NCCL versions),
-    so every rank should leave at about the same time; a rank whose peer died aborts instead,
-    since the peer will never come."""
+def leave_process_group(abort: bool = False, timeout_s: float | None = None) -> bool:
+    """Destroys the groups. Every rank must call it, at about the same time: shutting an NCCL
+    communicator down waits for its peers. A rank whose peer died aborts instead, since the
+    peer will never come. With timeout_s, the shutdown runs in a daemon thread and False means
+    it had not finished by then (the group then still exists in this process)."""
     if not dist.is_initialized():
         return True
     end = dist.destroy_process_group
     if abort:
         end = getattr(dist.distributed_c10d, "_abort_process_group", end)
-    # A daemon thread: should the shutdown hang anyway, the caller still gets control back.
+    if timeout_s is None:
+        end()
+        return True
     thread = threading.Thread(target=end, name="graphexec-leave-group", daemon=True)
     thread.start()
-    thread.join(LEAVE_TIMEOUT_S)
+    thread.join(timeout_s)
     return not thread.is_alive()

@@ -5,6 +5,7 @@ rank 0 sends. Its results are never read: sampling is replicated, so its device-
 inputs are rank 0's, and its result slots are simply reused."""
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import pickle
 import sys
@@ -24,7 +25,7 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, store_port: int,
     """The process's target. On any failure the traceback goes to rank 0 before the exit."""
     from . import process_group
 
-    joined = False
+    joined, abort = False, True
     try:
         conn.send(("hello",))
         cfg.device = process_group.rank_device(cfg.device, rank)
@@ -33,8 +34,9 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, store_port: int,
         store = process_group.connect_store(store_port, size)
         shard = process_group.join_process_group(rank, size, cfg.device, store)
         joined = True
-        runner = _build(cfg, shard)
-        _serve(runner, conn)
+        # Rank 0 leaves the group too when it says stop, and never comes otherwise.
+        abort = not _serve(_build(cfg, shard), conn)  # the runner and its graphs go with it
+        gc.collect()  # before leaving the group: the graphs hold NCCL work captured on it
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -43,7 +45,7 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, store_port: int,
         sys.exit(1)
     finally:
         if joined:
-            process_group.leave_process_group()
+            process_group.leave_process_group(abort=abort)
 
 
 def _build(cfg: EngineConfig, shard):
@@ -56,23 +58,23 @@ def _build(cfg: EngineConfig, shard):
     return build_rank(cfg, source, max_len, shard).runner
 
 
-def _serve(runner, conn: Connection) -> None:
-    """Runs rank 0's calls in order until it says stop, closes the pipe or dies."""
+def _serve(runner, conn: Connection) -> bool:
+    """Runs rank 0's calls in order until it says stop (True), closes the pipe or dies."""
     parent = mp.parent_process()
     while True:
         if not conn.poll(PARENT_POLL_S):
             if parent is not None and not parent.is_alive():
-                return
+                return False
             continue
         try:
             kind, args = pickle.loads(conn.recv_bytes())
         except EOFError:
-            return
+            return False
         if kind == "launch":
             runner.launch(*args)
         elif kind == "delta":
             runner.apply_delta(*args)
         elif kind == "stop":
-            return
+            return True
         else:
             raise ValueError(f"unknown message {kind!r} from rank 0")

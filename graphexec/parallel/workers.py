@@ -25,6 +25,8 @@ from .worker import worker_main
 
 # How long close() lets a worker finish its last step and leave before ending it by signal.
 CLOSE_TIMEOUT_S = 10.0
+# How long rank 0 waits for the group's shutdown, which waits for every worker to reach it.
+LEAVE_TIMEOUT_S = 60.0
 # How long a collective's failure waits for the worker that caused it to be seen as exited
 # (a killed peer's sockets close a moment before its parent can reap it).
 REAP_GRACE_S = 2.0
@@ -185,7 +187,8 @@ class WorkerGroup:
         # rank, so waiting for the workers to exit first would hang both sides until the
         # signal below, and then rank 0 on a peer that is gone.
         if self._joining:
-            if not process_group.leave_process_group(abort=self.failure is not None):
+            if not process_group.leave_process_group(abort=self.failure is not None,
+                                                     timeout_s=LEAVE_TIMEOUT_S):
                 print("graphexec: leaving the tensor-parallel process group timed out",
                       file=sys.stderr)
             self.shard, self._joining = None, False
