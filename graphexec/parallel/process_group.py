@@ -45,9 +45,10 @@ def join_process_group(rank: int, size: int, device: torch.device,
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=START_TIMEOUT)
     group = dist.new_group(timeout=STEP_TIMEOUT)
-    # The group's communicator is made at its first collective: here, before the weights fill
-    # the device, rather than inside the first graph capture.
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    # A group's communicator is made at its first collective: here, before the weights fill
+    # the device (NCCL's buffers did not fit beside llama-70b's half), not at the first use.
+    for g in (None, group):
+        dist.all_reduce(torch.zeros(1, device=device), group=g)
     return Shard(rank, size, group, make_reducer(group, device, size))
 
 
