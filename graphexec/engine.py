@@ -79,7 +79,8 @@ class Engine:
         self._arrivals = 0
         self._step_id = 0
         self._aborted: list[Request] = []
-        self._waits_seen = 0
+        # Waits while the graphs were captured are not chain breaks: only those while serving.
+        self._waits_seen = self.runner.host_waits()
         self._closed = False
 
     # -- lifetime -----------------------------------------------------------------------------

@@ -253,6 +253,7 @@ def test_killed_worker_makes_step_raise_and_close_ends_every_worker():
         engine.close()
     assert not worker.is_alive()
     assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()  # aborted: a dead peer never leaves with us
 
 
 def test_close_ends_the_workers():
@@ -262,3 +263,7 @@ def test_close_ends_the_workers():
     assert not any(p.is_alive() for p in procs)
     assert all(p.exitcode == 0 for p in procs)  # asked to stop, not killed
     assert multiprocessing.active_children() == []
+    # the group is left, so the next tensor-parallel engine of this process can start
+    assert not torch.distributed.is_initialized()
+    with Engine("tiny", tensor_parallel_size=2, **ENGINE) as engine:
+        assert len(engine.workers.workers) == 1

@@ -227,6 +227,10 @@ def load_weights(path: str, config: ModelConfig, device: torch.device,
                         lm_head=lm_head)
 
 
+# fp32 elements drawn at once by random_weights (256 MiB)
+RANDOM_DRAW_ELEMENTS = 1 << 26
+
+
 def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype,
                    seed: int = 0, shard: Shard = UNSHARDED) -> ModelWeights:
     """Normal(0, init_std) matrices, unit norms; made on the target device, one tensor at a time.
@@ -235,9 +239,20 @@ def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype
     c = config
     gen = torch.Generator(device=device).manual_seed(seed)
 
+    def draw(*shape: int) -> torch.Tensor:
+        """The whole tensor in `dtype`, drawn in fp32 a block of rows at a time: a whole fp32
+        draw of llama-70b's LM head (4 GiB, then a scaled copy) did not fit beside a rank's
+        half of the layers."""
+        whole = torch.empty(*shape, device=device, dtype=dtype)
+        rows = max(1, RANDOM_DRAW_ELEMENTS // max(1, whole[0].numel())) if shape else 1
+        for start in range(0, shape[0], rows):
+            block = whole[start:start + rows]
+            block.copy_(torch.randn(block.shape, generator=gen, device=device,
+                                    dtype=torch.float32) * c.init_std)
+        return whole
+
     def randn(*shape: int, split: int | None = None) -> torch.Tensor:
-        whole = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
-        return (shard.part(whole, split) * c.init_std).to(dtype)
+        return shard.part(draw(*shape), split)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
@@ -245,10 +260,10 @@ def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype
     def stacked(*sizes: int, cols: int | None = None) -> torch.Tensor:
         """q, k, v (or gate, up), drawn as one tensor unsharded: each part split on its own."""
         shape = (sum(sizes),) if cols is None else (sum(sizes), cols)
-        whole = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+        whole = draw(*shape)
         if shard.sharded:
             whole = torch.cat([shard.part(p, COLUMN_PARALLEL) for p in whole.split(sizes)])
-        return (whole * c.init_std).to(dtype)
+        return whole
 
     qkv_rows = (c.q_size, c.kv_size, c.kv_size)
     layers = [LayerWeights(
