@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device run: install, GPU tests, step profiles, benchmarks. Logs under $OUT (or ./out).
-# SUITE picks the parts: any of tests profile decode spec kernels tune variants (default: tests
-# profile).
+# SUITE picks the parts: any of tests profile decode spec kernels tune variants tp (default:
+# tests profile). tp needs two GPUs: the two-GPU tests, llama-8b at size 1 and 2, the all-reduce
+# profile and llama-70b at size 2.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 SUITE=${SUITE:-"tests profile"}
@@ -43,4 +44,16 @@ fi
 if has kernels; then
   timeout 120 python3 tools/bench_kernels.py --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/bench_kernels.log" | tail -30
+fi
+if has tp; then
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tensor_parallel.py \
+    -rfE > "$OUT/test_tp.log" 2>&1; tail -5 "$OUT/test_tp.log"
+  timeout 200 python3 tools/bench.py decode --models llama-8b --batches 1 64 --shapes 128+128 \
+    --modes async+graphs --hf-kinds --tp 1 2 --out "$OUT" 2>&1 | tee "$OUT/tp.log" | grep '^|'
+  GRAPHEXEC_PDL=0 timeout 100 python3 tools/profile_step.py --model llama-8b --batch 1 \
+    --engine-gaps 100 --tp 2 > "$OUT/profile_tp.log" 2>&1
+  grep -E '"all_reduce_us_per_step"|"mean"' "$OUT/profile_tp.log" | head -3
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 python3 tools/bench.py decode \
+    --models llama-70b --batches 1 64 --shapes 128+128 --modes async+graphs --hf-kinds --tp 2 \
+    --out "$OUT" 2>&1 | tee "$OUT/tp70.log" | grep '^|'
 fi
