@@ -244,7 +244,7 @@ def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype
         draw of llama-70b's LM head (4 GiB, then a scaled copy) did not fit beside a rank's
         half of the layers."""
         whole = torch.empty(*shape, device=device, dtype=dtype)
-        rows = max(1, RANDOM_DRAW_ELEMENTS // max(1, whole[0].numel())) if shape else 1
+        rows = max(1, RANDOM_DRAW_ELEMENTS // whole[0].numel())
         for start in range(0, shape[0], rows):
             block = whole[start:start + rows]
             block.copy_(torch.randn(block.shape, generator=gen, device=device,

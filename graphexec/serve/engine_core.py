@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 
 from .events import Abort, Add, Admitted, Delta, Drain, Event, Rejected, Stop
@@ -50,14 +50,11 @@ class EngineSnapshot:
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
+        """Each field is the stats_summary() entry of its name, waiting counting paused too."""
         s = engine.stats_summary()
-        return cls(running=s["running"], waiting=s["waiting"] + s["paused"], paused=s["paused"],
-                   kv_used=s["kv_used"], kv_total=s["kv_total"], steps=s["steps"],
-                   tokens=s["tokens"], pauses=s["pauses"], evictions=s["evictions"],
-                   chain_breaks=s["chain_breaks"], batch_rows=s["batch_rows"],
-                   cached_blocks=s["cached_blocks"],
-                   prefix_query_tokens=s["prefix_query_tokens"],
-                   prefix_hit_tokens=s["prefix_hit_tokens"])
+        values = {f.name: s[f.name] for f in fields(cls)}
+        values["waiting"] += s["paused"]
+        return cls(**values)
 
 
 # Messages to the HTTP process, as tuples (cheap to pickle):
