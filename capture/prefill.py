@@ -69,37 +69,44 @@ class PrefillMeta:
     resume: torch.Tensor  # [S] next input when not sampling (0 for the inert row)
     next_position: torch.Tensor  # [S] the row's next position (0 for the inert row)
     block_tables: torch.Tensor  # [S, C]
+    # [1] decode rows in front of the chunks' tokens (a mixed step, capture/mixed.py); the
+    # chunks' tokens start there, and so does cu_seqlens
+    num_decode: torch.Tensor
 
     @staticmethod
     def size(num_tokens: int, num_seqs: int, cols: int) -> int:
-        return 3 * num_tokens + 7 * num_seqs + 1 + num_seqs * cols
+        return 3 * num_tokens + 7 * num_seqs + 2 + num_seqs * cols
 
     @classmethod
     def view(cls, buf: torch.Tensor, num_tokens: int, num_seqs: int, cols: int) -> "PrefillMeta":
         t, s = num_tokens, num_seqs
-        parts = buf[:cls.size(t, s, cols)].split([t, t, t, s + 1] + [s] * 6 + [s * cols])
-        return cls(*parts[:10], parts[10].view(s, cols))
+        parts = buf[:cls.size(t, s, cols)].split([t, t, t, s + 1] + [s] * 6 + [s * cols, 1])
+        return cls(*parts[:10], parts[10].view(s, cols), parts[11])
 
 
 def pack_prefill(chunks: list[PrefillChunk], num_tokens: int, num_seqs: int, cols: int,
-                 block_size: int, scratch_block: int, inert_row: int) -> np.ndarray:
+                 block_size: int, scratch_block: int, inert_row: int,
+                 num_decode: int = 0) -> np.ndarray:
     """The int64 array PrefillMeta.view reads, padded to num_tokens tokens and num_seqs
-    sequences. Filled with numpy, a chunk at a time: on CUDA the block tables alone are
+    sequences; the chunks' tokens start after num_decode places the device fills (a mixed
+    step). Filled with numpy, a chunk at a time: on CUDA the block tables alone are
     MAX_PREFILL_SEQS x max_cols entries, mostly padding, and building them as Python lists
     cost about a millisecond of host time on every admitting step."""
-    real = sum(len(c.token_ids) for c in chunks)
+    real = sum(len(c.token_ids) for c in chunks) + num_decode
     if real > num_tokens or len(chunks) > num_seqs:
         raise RuntimeError(f"{real} tokens in {len(chunks)} chunks exceed the "
                            f"{num_tokens}-token, {num_seqs}-sequence prefill")
     t, s = num_tokens, num_seqs
     out = np.zeros(PrefillMeta.size(t, s, cols), dtype=np.int64)
-    ids, pos, slots, cu, lens, rows, steps, samples, resume, next_pos, tables = np.split(
-        out, np.cumsum([t, t, t, s + 1] + [s] * 6))
-    slots[:] = scratch_block * block_size  # pad tokens write the scratch block
+    ids, pos, slots, cu, lens, rows, steps, samples, resume, next_pos, tables, n_dec = np.split(
+        out, np.cumsum([t, t, t, s + 1] + [s] * 6 + [s * cols]))
+    # pad tokens (and the decode rows' places, for the prefill attention) write the scratch block
+    slots[:] = scratch_block * block_size
     rows[:] = inert_row  # pad sequences, and chunks that end no prompt, sample into it
     tables[:] = scratch_block
     tables = tables.reshape(s, cols)
-    at = 0
+    n_dec[0] = num_decode
+    at = cu[0] = num_decode
     for i, c in enumerate(chunks):
         if len(c.blocks) * block_size < c.end:  # the scheduler reserves them first
             raise RuntimeError(f"{len(c.blocks)} blocks for {c.end} positions")

@@ -290,7 +290,9 @@ class Engine:
             req.advance_bound += pre.samples
             req.advance_floor += pre.samples
             req.last_launched_step = plan.step_id  # a prompt's blocks are written from here
-        for req in plan.rows:
+        # A mixed step (prompt chunks beside the decode rows) gives the rows its chunks join
+        # their first token only: they decode from the next step on.
+        for req in plan.rows[:launched.num_decode]:
             req.in_flight += 1
             req.advance_bound += self.runner.k + 1
             req.advance_floor += 1
@@ -309,7 +311,8 @@ class Engine:
         touched = []
         pairs = [(r, e, p.samples, p.samples) for r, e, p in
                  zip(plan.prefill_requests, res.prefill, plan.prefills)]
-        pairs += [(r, e, self.runner.k + 1, 1) for r, e in zip(plan.rows, res.decode)]
+        pairs += [(r, e, self.runner.k + 1, 1)
+                  for r, e in zip(plan.rows[:step.launched.num_decode], res.decode)]
         for req, emitted, bound, floor in pairs:
             req.in_flight -= 1
             req.advance_bound -= bound

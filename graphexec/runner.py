@@ -3,12 +3,14 @@ launches steps; it decides nothing about which request runs (that is the schedul
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .capture.iteration import SampleOut, decode_iteration
+from .capture.mixed import mixed_step
 from .capture.prefill import (MAX_PREFILL_SEQS, PrefillChunk, PrefillMeta, pack_prefill,
                               prefill_step, token_buckets)
 from .capture.spec_iteration import DraftModel, spec_iteration
@@ -59,6 +61,9 @@ class ModelRunner:
                  num_spec_tokens: int = 0, d2h_slots: int = 4, max_prefill_tokens: int = 0):
         self.model, self.kv = model, kv
         self.draft, self.k = draft, num_spec_tokens
+        # A step with prompt chunks runs them and the decode rows in one forward
+        # (capture/mixed.py). The speculative iteration keeps its own forward after the prefill.
+        self.mixed = draft is None
         self.device = model.device
         self.block_size = block_size
         self.max_rows = max_rows
@@ -99,8 +104,9 @@ class ModelRunner:
         self._d2h_waits = 0
         self.graphs = None  # capture.graphs.GraphSet when CUDA graphs are on
         self.num_rows = 0  # rows holding a request, as of the last launch
-        # Benchmarks set this to a list: (start, end, had_prefill) per decode iteration, the
-        # events around it; a prefill in the same launch runs just before `start`.
+        # Benchmarks set this to a list: (start, end, had_prefill) per decode iteration or
+        # mixed step, the events around it (a speculative runner's prefill runs just before
+        # `start`).
         self.timeline: list | None = None
         self.wait_seconds = 0.0  # host time spent blocked on results in fetch()
 
@@ -120,31 +126,46 @@ class ModelRunner:
 
     def launch(self, delta: StepDelta | None, prefills: list[PrefillChunk], bucket: int,
                variant: Variant) -> Launched:
-        """Enqueues: delta, the prefill chunks, one decode iteration over `bucket` rows, and
-        the copy of the results to pinned host memory. Returns without waiting."""
+        """Enqueues: delta, the prefill chunks, one decode iteration over `bucket` rows (or,
+        for a runner that mixes, one forward over the chunks and the decode rows), and the copy
+        of the results to pinned host memory. Returns without waiting."""
         if delta is not None:
             self.apply_delta(delta)
-        pre = self._prefill(prefills, variant.logprobs) if prefills else None
+        mixed = bool(prefills) and self.mixed
         num_decode = self.num_rows
+        pre = None
+        if mixed:  # the rows its chunks join (the last ones) get their first token only
+            num_decode -= sum(c.row is not None for c in prefills)
+        elif prefills:
+            pre = self._prefill(prefills, variant.logprobs)
         mailbox_slot = None
-        if num_decode:
+        if num_decode or mixed:
             if self.mailbox is not None:
                 mailbox_slot = self.mailbox.next_slot()
-            if self.timeline is not None:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.timeline.append((start, end, bool(prefills)))
-            if self.graphs is not None and self.graphs.has(bucket, variant):
-                self.graphs.replay(bucket, variant)
-            else:
-                self.iterate(bucket, variant)
-            if self.timeline is not None:
-                end.record()
+            with self._timeline_span(bool(prefills)):
+                if mixed:
+                    pre = self._prefill(prefills, variant.logprobs, num_decode)
+                elif self.graphs is not None and self.graphs.has(bucket, variant):
+                    self.graphs.replay(bucket, variant)
+                else:
+                    self.iterate(bucket, variant)
         launched = self._copy_out(pre, [p.samples for p in prefills], num_decode,
                                   variant.logprobs)
         launched.mailbox_slot = mailbox_slot
         return launched
+
+    @contextmanager
+    def _timeline_span(self, admits: bool):
+        """CUDA events around what it encloses, kept in self.timeline when benchmarks ask."""
+        if self.timeline is None:
+            yield
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.timeline.append((start, end, admits))
+        yield
+        end.record()
 
     def apply_delta(self, delta: StepDelta) -> None:
         """Enqueues the batch change alone. Also for a step that runs nothing: rows that left
@@ -154,34 +175,41 @@ class ModelRunner:
         self.state.apply_delta(delta, d_ints, d_floats)
         self.num_rows = delta.num_rows
 
-    def _prefill(self, chunks: list[PrefillChunk], with_logprobs: bool) -> SampleOut:
-        """One prefill step over the chunks. On CUDA, padded to a token bucket over the static
+    def _prefill(self, chunks: list[PrefillChunk], with_logprobs: bool,
+                 num_decode: int | None = None) -> SampleOut:
+        """One prefill step over the chunks, or with num_decode given a mixed step (the
+        chunks after that many decode rows). On CUDA, padded to a token bucket over the static
         buffer: a graph replay, or eagerly the very shapes the graph runs (so graphs and eager
         agree bit for bit). On the CPU, eager at the exact sizes."""
-        num_tokens = sum(len(c.token_ids) for c in chunks)
+        lead = num_decode or 0
+        num_tokens = lead + sum(len(c.token_ids) for c in chunks)
         st = self.state
         tokens = None
         if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS:
             tokens = next((t for t in self.prefill_tokens if t >= num_tokens), None)
         if tokens is None:
-            cols = max(len(c.blocks) for c in chunks)
+            # the mixed step's decode part gathers DecodeState's tables: the same width
+            cols = st.max_cols if self.mixed else max(len(c.blocks) for c in chunks)
             ints = pack_prefill(chunks, num_tokens, len(chunks), cols, self.block_size,
-                                self.scratch_block, st.inert_row)
+                                self.scratch_block, st.inert_row, lead)
             d, _ = self.h2d.put(ints, [])
-            meta = PrefillMeta.view(d, num_tokens, len(chunks), cols)
-            return prefill_step(self.model, st, self.kv, meta, with_logprobs, self.draft)
+            return self._run_prefill(PrefillMeta.view(d, num_tokens, len(chunks), cols),
+                                     with_logprobs, lead)
         ints = pack_prefill(chunks, tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
-                            self.scratch_block, st.inert_row)
+                            self.scratch_block, st.inert_row, lead)
         if self.graphs is not None and (tokens, with_logprobs) in self.graphs.prefill:
             self.h2d.put_into(ints, self.prefill_buffer)
-            return self.graphs.replay_prefill(tokens, with_logprobs)
+            out = self.graphs.replay_prefill(tokens, with_logprobs)
+            if self.mixed and self.mailbox is not None:
+                self.mailbox.ran()
+            return out
         return self.prefill_padding(tokens, with_logprobs, ints)
 
     def prefill_padding(self, tokens: int, with_logprobs: bool,
                         ints: np.ndarray | None = None) -> SampleOut:
-        """The prefill of `tokens`' bucket over the static buffer, as its graph runs it, eagerly.
-        With no `ints`, a prefill of nothing but padding (it writes only the scratch block and
-        the inert row): what GraphSet.capture warms up and captures."""
+        """The prefill (or mixed step) of `tokens`' bucket over the static buffer, as its graph
+        runs it, eagerly. With no `ints`, one of nothing but padding (it writes only the
+        scratch block and the inert row): what GraphSet.capture warms up and captures."""
         st = self.state
         if not torch.cuda.is_current_stream_capturing():  # a capture reads, never fills
             if ints is None:
@@ -189,7 +217,21 @@ class ModelRunner:
                                     self.scratch_block, st.inert_row)
             self.h2d.put_into(ints, self.prefill_buffer)
         meta = PrefillMeta.view(self.prefill_buffer, tokens, MAX_PREFILL_SEQS, st.max_cols)
-        return prefill_step(self.model, st, self.kv, meta, with_logprobs, self.draft)
+        return self._run_prefill(meta, with_logprobs, min(self.max_rows, tokens))
+
+    def _run_prefill(self, meta: PrefillMeta, with_logprobs: bool,
+                     decode_rows: int) -> SampleOut:
+        """Eager: the mixed step with a decode part of decode_rows rows, or the plain prefill
+        step (a speculative runner)."""
+        st = self.state
+        if not self.mixed:
+            return prefill_step(self.model, st, self.kv, meta, with_logprobs, self.draft)
+        out = mixed_step(self.model, st, self.kv, meta, decode_rows, self.block_size,
+                         with_logprobs)
+        if self.mailbox is not None:  # every run publishes, so the slot counter stays in step
+            self.mailbox.publish(st.out_packed[:max(decode_rows, 1)])
+            self.mailbox.ran()
+        return out
 
     def _copy_out(self, pre, prefill_counts: list[int], num_decode: int,
                   with_logprobs: bool) -> Launched:

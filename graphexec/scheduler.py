@@ -53,6 +53,10 @@ class Scheduler:
                  buckets: list[int], max_num_batched_tokens: int, spec_tokens: int = 0):
         self.pool = pool
         self.spec_tokens = spec_tokens  # K draft positions written past each row's input
+        # Without speculation a step's chunks and decode rows share one forward
+        # (capture/mixed.py), padded as a whole to a token bucket; a row its last chunk joins
+        # decodes from the next step on.
+        self.mixed = spec_tokens == 0
         self.block_size = block_size
         self.max_batch = max_batch
         self.buckets = buckets
@@ -204,7 +208,11 @@ class Scheduler:
         The budget is cut to a captured prefill size, so a prompt cut into chunks pads none of
         them, and is at least the smallest size, so prompts progress beside any batch."""
         decode_tokens = len(self.running) * (self.spec_tokens + 1)
-        budget = bucket_floor(self.prefill_buckets, self.max_num_batched_tokens - decode_tokens)
+        if self.mixed:  # the whole step is bucketed: a chunk may fill it to the budget
+            budget = self.max_num_batched_tokens - decode_tokens
+        else:
+            budget = bucket_floor(self.prefill_buckets,
+                                  self.max_num_batched_tokens - decode_tokens)
         for req in list(self.prefilling):
             if budget <= 0 or len(chunks) >= MAX_PREFILL_SEQS:
                 return
@@ -262,7 +270,8 @@ class Scheduler:
                entries: list[tuple[int, int, int]], chunks: list[PrefillChunk],
                requests: list[Request]) -> int:
         """Schedules the request's next chunk, at most `budget` tokens. Its last chunk gives it
-        a row (and a decode token this very step). Returns the budget it took."""
+        a row (and, unless the step is mixed, a decode token this very step). Returns the
+        budget it took."""
         ids, start = req.prefill_ids, req.num_computed
         n = min(len(ids) - start, budget)
         last = start + n == len(ids)
@@ -283,7 +292,7 @@ class Scheduler:
         for j in range(start // self.block_size, min(req.num_computed // self.block_size,
                                                       len(req.block_keys))):
             self.pool.register(req.blocks[j], req.block_keys[j])
-        return n + int(last)
+        return n + int(last and not self.mixed)
 
     def _add_row(self, req: Request, new_rows: list[NewRow],
                  entries: list[tuple[int, int, int]]) -> int:

@@ -315,12 +315,13 @@ def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     token = torch.arange(t, device=q.device)
-    # A captured prefill pads its tokens past cu[-1] (capture/prefill.py): they belong to no
-    # sequence and attend to one key of the last one, so every read stays in bounds.
+    # A captured prefill pads its tokens past cu[-1] (capture/prefill.py), and a mixed step
+    # puts its decode rows before cu[0] (capture/mixed.py): they belong to no sequence and
+    # attend to one key of the first or last one, so every read stays in bounds.
     seq_of = torch.searchsorted(cu[1:], token, right=True).clamp_(max=n_seq - 1)
     offset = token - cu[seq_of]  # index within its sequence's queries
     lens = seq_lens.long()[seq_of] - q_lens[seq_of] + offset + 1
-    lens = torch.where(token < cu[-1], lens, 1).to(torch.int32)
+    lens = torch.where((token >= cu[0]) & (token < cu[-1]), lens, 1).to(torch.int32)
     tables = block_tables[seq_of]
     for s in range(0, t, INVARIANT_PREFILL_CHUNK):
         e = min(t, s + INVARIANT_PREFILL_CHUNK)

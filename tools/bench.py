@@ -126,8 +126,10 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     # Steady state: decode iterations after the first. A gap before an iteration whose launch
     # also ran a prefill (admissions split over several steps by max_prefill_tokens) holds that
     # prefill, not host idleness: those gaps are left out of both step time and idle time.
+    # A mixed runner's admitting steps are whole prefill forwards inside the events
+    # (capture/mixed.py): not decode steps, so not in the busy time either.
     tl = (timeline or [])[1:-1]
-    busy = [s.elapsed_time(e) / 1e3 for s, e, _ in tl]
+    busy = [s.elapsed_time(e) / 1e3 for s, e, admits in tl if not (admits and runner.mixed)]
     gaps = [tl[i][1].elapsed_time(tl[i + 1][0]) / 1e3 for i in range(len(tl) - 1)
             if not tl[i + 1][2]]
     prefill_steps = sum(1 for t in tl if t[2])

@@ -15,9 +15,10 @@ Measured per run, from host timestamps taken when Engine.step returns:
   first step's extra tokens (a new row's prefill token and its first decode token come back
   together) add none: TTFT covers them.
 - TPOT: per request, (finish - first token) / (output tokens - 1).
-- GPU decode busy (CUDA): the decode iterations' time between CUDA events (runner.timeline) over
-  wall time. A prefill runs just before its iteration's start event, so prefill time is not in
-  it: this is decode-busy, not all GPU work.
+- GPU busy (CUDA): the time between the CUDA events around each step's forward (runner.timeline)
+  over wall time. A step with prompt chunks runs them and the decode rows in one forward
+  (capture/mixed.py), inside its events, so this is all the GPU's work; only a speculative
+  engine runs its prefill before the iteration's start event, outside them.
 - mean decode step time: wall / engine steps (prefill, host and idle time included).
 
 With --http URL (a running `python -m graphexec.serve`) or --http auto (one started per mode

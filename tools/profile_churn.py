@@ -7,8 +7,9 @@ Runs the offline workload of tools/bench.py serve (all requests at t = 0) once, 
 The phases are timed by wrapping the engine's own methods on this instance (the engine carries
 no profiling code): plan = Scheduler.schedule, launch = ModelRunner.launch (delta and prefill
 packing, H2D copies, replays), reconcile = Engine._reconcile (reading results, appending tokens),
-rest = everything else in Engine.step (outputs). CUDA events bracket each prefill and decode
-iteration; a gap is time on the GPU between the end of one and the start of the next.
+rest = everything else in Engine.step (outputs). CUDA events bracket each decode iteration and
+each mixed step (prompt chunks beside the decode rows, capture/mixed.py; a speculative engine's
+prefill instead); a gap is time on the GPU between the end of one and the start of the next.
 """
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ def profile(engine, workload) -> dict:
     _timed(engine.runner, "launch", totals, "launch")
     _timed(engine, "_reconcile", totals, "reconcile")
     prefill_events: list = []
-    if cuda:
+    # A mixed runner's admitting steps are one forward inside the timeline's events
+    # (capture/mixed.py): those spans are the "mixed" kind. A speculative runner's prefill runs
+    # before its iteration: timed apart, the "prefill" kind.
+    mixed = engine.runner.mixed
+    if cuda and not mixed:
         inner_prefill = engine.runner._prefill
 
         def prefill(*a, **kw):
@@ -58,6 +63,7 @@ def profile(engine, workload) -> dict:
             prefill_events.append((s, e))
             return out
         engine.runner._prefill = prefill
+    if cuda:
         engine.runner.timeline = []
     inner_step = engine.step
 
@@ -94,23 +100,26 @@ def profile(engine, workload) -> dict:
             report[f"steps_{label}"] = len(rows)
     if cuda:
         torch.cuda.synchronize()
-        spans = [(base.elapsed_time(s), base.elapsed_time(e), "decode")
-                 for s, e, _ in engine.runner.timeline]
+        spans = [(base.elapsed_time(s), base.elapsed_time(e),
+                  "mixed" if mixed and admits else "decode")
+                 for s, e, admits in engine.runner.timeline]
         spans += [(base.elapsed_time(s), base.elapsed_time(e), "prefill")
                   for s, e in prefill_events]
         spans.sort()
-        decode_ms = sum(e - s for s, e, k in spans if k == "decode")
-        prefill_ms = sum(e - s for s, e, k in spans if k == "prefill")
+        ms = {k: sum(e - s for s, e, kind in spans if kind == k)
+              for k in ("decode", "prefill", "mixed")}
+        count = {k: sum(1 for *_, kind in spans if kind == k) for k in ms}
         gaps = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
-        # a gap before a prefill is an admitting step's host work (plan, packing, copies)
-        before_prefill = [g for g, b in zip(gaps, spans[1:]) if b[2] == "prefill"]
+        # a gap before an admitting step is its host work (plan, packing, copies)
+        before_prefill = [g for g, b in zip(gaps, spans[1:]) if b[2] != "decode"]
         report.update(
-            gpu_decode_ms=decode_ms, gpu_prefill_ms=prefill_ms,
-            gpu_busy=(decode_ms + prefill_ms) / (trace.wall * 1e3),
-            decode_iterations=sum(1 for *_, k in spans if k == "decode"),
-            prefills=len(prefill_events),
-            mean_decode_ms=decode_ms / max(1, sum(1 for *_, k in spans if k == "decode")),
-            mean_prefill_ms=prefill_ms / max(1, len(prefill_events)),
+            gpu_decode_ms=ms["decode"], gpu_prefill_ms=ms["prefill"], gpu_mixed_ms=ms["mixed"],
+            gpu_busy=sum(ms.values()) / (trace.wall * 1e3),
+            decode_iterations=count["decode"], prefills=count["prefill"],
+            mixed_steps=count["mixed"],
+            mean_decode_ms=ms["decode"] / max(1, count["decode"]),
+            mean_prefill_ms=ms["prefill"] / max(1, count["prefill"]),
+            mean_mixed_ms=ms["mixed"] / max(1, count["mixed"]),
             gaps_ms=dict(sum=float(np.sum(gaps)), p50=float(np.median(gaps)),
                          p99=float(np.percentile(gaps, 99)),
                          before_prefill_sum=float(np.sum(before_prefill)),

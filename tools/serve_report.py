@@ -204,10 +204,11 @@ def markdown(results: list[RunResult], meta: dict) -> str:
     lines = [f"Measured {meta['date']} on {meta['device']}, torch {meta['torch']}, model "
              f"{meta['model']}, commit {commit}. Command: `{meta['command']}`.", "",
              "TTFT from each request's scheduled arrival; ITL between host-visible token "
-             "arrivals (a multi-token step's gap split evenly); GPU decode busy: decode "
-             "iterations only (prefill not counted) over wall time; ms/step: wall / steps.", "",
+             "arrivals (a multi-token step's gap split evenly); GPU busy: each step's forward "
+             "between CUDA events (decode iterations and mixed steps; a speculative engine's "
+             "prefill not counted) over wall time; ms/step: wall / steps.", "",
              "| run | reqs | wall s | out tok/s | total tok/s | TTFT ms p50 / p90 / p99 / max "
-             "| ITL ms p50 / p90 / p99 / max | latency s p50 / p99 | GPU decode busy "
+             "| ITL ms p50 / p90 / p99 / max | latency s p50 / p99 | GPU busy "
              "| mean batch | steps | ms/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:

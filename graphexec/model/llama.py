@@ -53,6 +53,12 @@ class AttentionInputs:
     # another row's new token and rope, the KV write and attention may run as one kernel.
     # False for the speculative verify, whose K + 1 rows per sequence read each other's.
     rows_are_sequences: bool = False
+    # A mixed step (capture/mixed.py): its first decode_mask.numel() tokens may be decode rows
+    # (decode_mask says which), attended as a decode step attends them (`decode`, their own
+    # metadata); every token also goes through the prefill attention above, which gives the
+    # decode rows' tokens the scratch slot and no sequence, and whose result they drop.
+    decode: "AttentionInputs | None" = None
+    decode_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -177,18 +183,30 @@ class LlamaModel:
         if cfg.qk_norm:
             q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        if attn.decode is not None:
+            r = attn.decode_mask.shape[0]
+            # the decode rows first: they read only their own sequences' KV, never the chunks'
+            o_dec = self._attend(q[:r], k[:r], v[:r], positions[:r], attn.decode, k_cache,
+                                 v_cache)
+            o = self._attend(q, k, v, positions, replace(attn, decode=None), k_cache, v_cache)
+            o[:r] = torch.where(attn.decode_mask[:, None, None], o_dec, o[:r])
+        else:
+            o = self._attend(q, k, v, positions, attn, k_cache, v_cache)
+        return o.reshape(t, cfg.q_size)
+
+    def _attend(self, q, k, v, positions, attn: AttentionInputs, k_cache,
+                v_cache) -> torch.Tensor:
+        """[T, Hq, D]: rope, the KV write and attention for one kind of rows."""
+        ops = self.ops
         if (attn.cu_seqlens_q is None and attn.rows_are_sequences
                 and ops.rope_decode_attention is not None):
-            o = ops.rope_decode_attention(q, k, v, positions, self.cos, self.sin, k_cache,
-                                          v_cache, attn.slot_mapping, attn.block_tables,
-                                          attn.seq_lens, self.scale)
-            return o.reshape(t, cfg.q_size)
+            return ops.rope_decode_attention(q, k, v, positions, self.cos, self.sin, k_cache,
+                                             v_cache, attn.slot_mapping, attn.block_tables,
+                                             attn.seq_lens, self.scale)
         q = ops.rope_write_kv(q, k, v, positions, self.cos, self.sin, k_cache, v_cache,
                               attn.slot_mapping)
         if attn.cu_seqlens_q is None:
-            o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                     self.scale)
-        else:
-            o = ops.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                      attn.block_tables, self.scale)
-        return o.reshape(t, cfg.q_size)
+            return ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                        self.scale)
+        return ops.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                     attn.block_tables, self.scale)

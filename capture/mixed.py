@@ -1,0 +1,73 @@
+"""The mixed step: the decode rows and a step's prompt chunks in one forward.
+
+A step that admits used to run the prefill step and then the decode iteration, each reading every
+weight once: on llama-1b about 0.8 ms of weight streaming paid twice on every admitting step. Here
+the decode rows ride in front of the chunks' tokens of the packed prefill batch (PrefillMeta,
+num_decode of them), and every projection reads its weight once for both.
+
+Attention splits by kind of row. The decode rows attend as the decode iteration attends them
+(their own positions, slots and block tables read from DecodeState, through the decode-attention
+op): the prefill kernel would walk a long context one tile after another for each of them, where
+the decode kernel splits it. The chunks attend through the prefill attention, which sees the
+decode rows' places as tokens of no sequence writing the scratch block.
+
+A row whose last chunk runs in this step samples its first token from the chunk and decodes from
+the next step on: the decode part covers rows [0, num_decode), the rows the batch held before this
+step's chunks joined it (the scheduler appends joining rows after them). The decode part's size is
+static (min(max_rows, token bucket), so one graph per token bucket serves every batch); its rows
+past num_decode run as the inert row.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.llama import AttentionInputs, KVCache, LlamaModel
+from .iteration import SampleOut, sample_rows
+from .prefill import PrefillMeta
+from .state import DecodeState
+
+
+def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
+               decode_rows: int, block_size: int, with_logprobs: bool) -> SampleOut:
+    """Decodes rows [0, meta.num_decode) (their tokens go where the decode iteration leaves
+    them, state.out_tokens and the logprob buffers) and runs the chunks as prefill_step does
+    (returns their samples). decode_rows: the static size of the decode part, at least
+    num_decode and at most the token count. Sizes come from tensors only: captured as it is."""
+    ops, dev = model.ops, meta.ids.device
+    r = decode_rows
+    index = torch.arange(r, device=dev)
+    live = index < meta.num_decode
+    rows_dec = torch.where(live, index, state.inert_row)
+    pos_dec = state.positions[rows_dec]
+    tables_dec = state.block_tables[rows_dec]
+    slots_dec, lens_dec = ops.decode_metadata(pos_dec, tables_dec, block_size)
+    ids = torch.cat([torch.where(live, state.input_ids[rows_dec], meta.ids[:r]), meta.ids[r:]])
+    positions = torch.cat([torch.where(live, pos_dec, meta.positions[:r]), meta.positions[r:]])
+    decode = AttentionInputs(slot_mapping=slots_dec, block_tables=tables_dec, seq_lens=lens_dec,
+                             rows_are_sequences=True)
+    attn = AttentionInputs(slot_mapping=meta.slots,
+                           block_tables=meta.block_tables.to(torch.int32),
+                           seq_lens=meta.seq_lens.to(torch.int32),
+                           cu_seqlens_q=meta.cu_seqlens.to(torch.int32),
+                           decode=decode if r else None, decode_mask=live if r else None)
+    hidden = model.forward(ids, positions, attn, kv)
+    # the decode rows' own tokens, then each chunk's last (a pad sequence picks any token)
+    logits = model.compute_logits(hidden.rows(torch.cat([index, meta.cu_seqlens[1:] - 1])))
+    rows = torch.cat([rows_dec, meta.rows])
+    steps = torch.cat([state.steps[rows_dec], meta.steps])
+    state.steps[rows] = steps
+    out = sample_rows(model, state, rows, logits, with_logprobs)
+    # Decode rows move on by their token, new rows start from their first, resumed ones from
+    # their last token; the inert row (every unused place) is rewritten with its own zeros.
+    samples = torch.cat([live.long(), meta.samples])
+    state.input_ids[rows] = torch.where(samples.bool(), out.tokens,
+                                        torch.cat([torch.zeros_like(pos_dec), meta.resume]))
+    state.positions[rows] = torch.cat([torch.where(live, pos_dec + 1, 0), meta.next_position])
+    state.steps[rows] = steps + samples
+    state.out_tokens[:r, 0] = out.tokens[:r]
+    if not with_logprobs:
+        return SampleOut(out.tokens[r:])
+    state.out_logprob[:r, 0] = out.logprob[:r]
+    state.out_top_logprobs[:r, 0] = out.top_logprobs[:r]
+    state.out_top_ids[:r, 0] = out.top_ids[:r]
+    return SampleOut(out.tokens[r:], out.logprob[r:], out.top_logprobs[r:], out.top_ids[r:])
