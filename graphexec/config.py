@@ -32,9 +32,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; alternative to num_kv_blocks
     block_size: int = 16
     seed: int = 0
-    # Tokens one step runs at most: a decode token per row plus prompt chunks (the vLLM name).
-    # A longer prompt is prefilled over several steps while the batch decodes on; each step
-    # still takes at least 64 prompt tokens. The default is docs/benchmarks.md's pick.
+    # Tokens one step runs at most: a decode token per row plus prompt chunks (the vLLM name),
+    # larger than max_batch. A longer prompt is prefilled over several steps while the batch
+    # decodes on. The default is docs/benchmarks.md's pick.
     max_num_batched_tokens: int = 1024
     # Full prompt blocks are kept under a hash of their token chain and reused by any later
     # request whose prompt starts the same way (docs/architecture.md, "Prefix caching").
@@ -104,6 +104,12 @@ class EngineConfig:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig, got "
                                  f"{type(self.speculative).__name__}")
+        elif self.max_num_batched_tokens <= self.max_batch:
+            # A step's decode rows and prompt chunks share the budget (capture/mixed.py): with a
+            # full batch, prompts would get none of it and wait for rows to finish.
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
+                             f"larger than max_batch={self.max_batch}: each step gives a token "
+                             "to every decoding row before prompt chunks get any")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got "
                              f"{self.enable_prefix_caching!r}")

@@ -115,6 +115,12 @@ def test_prefilling_request_is_evicted_under_kv_pressure_and_recomputed(async_sc
 def test_max_num_batched_tokens_is_validated():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Engine("tiny", max_num_batched_tokens=0)
+    # decode rows take their tokens first: a budget the batch can fill leaves prompts none
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 must be larger than "
+                                         "max_batch=8"):
+        Engine("tiny", max_batch=8, max_num_batched_tokens=8)
+    Engine("tiny", max_batch=8, max_num_batched_tokens=8,
+           speculative=SpeculativeConfig("self:1", 2))  # 64 prompt tokens a step at least
 
 
 def _gpu_engine(async_scheduling: bool, budget: int, **kw) -> Engine:
