@@ -133,7 +133,7 @@ class RunResult:
     steps: int
     mean_batch: float | None
     mean_step_ms: float
-    gpu_decode_busy_frac: float | None
+    gpu_busy_frac: float | None
     gpu_iterations: int | None
     spec_acceptance: float | None
     triton_compiles_in_run: int
@@ -169,7 +169,7 @@ def summarize(workload: Workload, mode: str, trace: RunTrace, stats_before: dict
         latency_s=Percentiles.of([r.finish - r.arrival for r in done]),
         steps=steps, mean_batch=engine.get("mean_batch"),
         mean_step_ms=wall / max(steps, 1) * 1e3,
-        gpu_decode_busy_frac=None if gpu_ms is None else sum(gpu_ms) / 1e3 / wall,
+        gpu_busy_frac=None if gpu_ms is None else sum(gpu_ms) / 1e3 / wall,
         gpu_iterations=None if gpu_ms is None else len(gpu_ms),
         spec_acceptance=trace.accepted / trace.drafted if trace.drafted else None,
         triton_compiles_in_run=compiles, engine=engine)
@@ -212,7 +212,7 @@ def markdown(results: list[RunResult], meta: dict) -> str:
              "| mean batch | steps | ms/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        busy = "-" if r.gpu_decode_busy_frac is None else f"{100 * r.gpu_decode_busy_frac:.1f}%"
+        busy = "-" if r.gpu_busy_frac is None else f"{100 * r.gpu_busy_frac:.1f}%"
         lines.append(
             f"| {r.label} | {r.num_requests} | {r.wall_s:.2f} | {r.output_tok_s:,.0f} | "
             f"{r.total_tok_s:,.0f} | {_quad(r.ttft_ms)} | {_quad(r.itl_ms, 2)} | "
