@@ -44,6 +44,10 @@ class Ops:
     # rope_write_kv + decode_attention in one op, for decode batches whose rows are distinct
     # sequences; None: the model calls the two.
     rope_decode_attention: Callable | None = None
+    # rank -> the set for that tensor-parallel rank, whose out_linear and mlp return partial
+    # sums (rank 0's holding the residual) for the model to all-reduce; None: a sharded model
+    # drops out_linear and mlp and composes the plain projections.
+    for_rank: Callable[[int], "Ops"] | None = None
 
 
 REFERENCE_OPS = Ops(

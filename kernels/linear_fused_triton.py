@@ -69,6 +69,19 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     return out[0] if next_norm is None else Prenormed(out[0], out[2], out[3], next_norm)
 
 
+def linear_partial(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None,
+                   max_rows: int = MAX_ROWS, prefetch: torch.Tensor | None = None,
+                   prefetch_bytes: int = 0) -> torch.Tensor:
+    """linear(x) on linear_add's kernel and config, without the add: a tensor-parallel rank
+    other than 0 computes its partial sum of o or down this way (rank 0 adds the residual, so
+    the all-reduce sums it in once), each rank running the same kernel."""
+    if not supported(x, weight, 1, max_rows=max_rows):
+        return F.linear(x, weight)
+    return _launch(x, None, None, 0.0, weight, None,
+                   config or pick_fused_config(x.shape[0], *weight.shape, "add"),
+                   prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
+
+
 def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
                      bias: torch.Tensor | None = None, config: LinearConfig | None = None,
                      silu_out: bool = False, max_rows: int = MAX_ROWS,

@@ -164,7 +164,7 @@ def _prenormed_by(x, norm_weight) -> bool:
     return isinstance(x, linear_fused_triton.Prenormed) and x.norm_weight is norm_weight
 
 
-def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
+def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) -> Ops:
     """base with, for batches of min_rows..max_rows rows, the residual add and the activation
     moved into the projections' epilogues (tensor-core Triton kernels): o and down add the
     residual stream to their output, so the norms after them only normalise; gate_up computes
@@ -173,7 +173,12 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
     round trip through memory. The norms stay their own kernels: folded into the prologue at
     64 rows, where every program re-reads the rows, the qkv projection ran 2.5x slower
     (tools/tune_fused.py). Other row counts, and the LM head, run as in base. A wrong guess of
-    last_qkv_triton (below) costs speed only: the prefetch is safe at any row count."""
+    last_qkv_triton (below) costs speed only: the prefetch is safe at any row count.
+
+    rank: the set for one tensor-parallel rank, where o and down return partial sums that the
+    model all-reduces: rank 0 adds the residual in their epilogue, the others run the same
+    kernels without it, so the sum holds it once; the next norm is not begun (a partial sum's
+    norm is no part of the whole's)."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 
@@ -208,12 +213,20 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
             return base.rope_decode_attention(q, *args, prefetch=True)
         return base.rope_decode_attention(q, *args)
 
+    prenorm = PRENORM and rank is None
+
+    def add(x, weight, residual, next_norm, kind):
+        """x's projection plus the residual (on a rank other than 0: its partial sum alone)."""
+        if rank:
+            return linear_fused_triton.linear_partial(x, weight, max_rows=max_rows,
+                                                      **_warm_next(weight, kind))
+        return linear_fused_triton.linear_add(x, weight, residual, max_rows=max_rows,
+                                              next_norm=next_norm, **_warm_next(weight, kind))
+
     def out_linear(x, weight, residual, next_norm=None):
         if not fused(x) or residual is None:
             return base.linear(x, weight), residual
-        return linear_fused_triton.linear_add(x, weight, residual, max_rows=max_rows,
-                                              next_norm=next_norm if PRENORM else None,
-                                              **_warm_next(weight, "o")), None
+        return add(x, weight, residual, next_norm if prenorm else None, "o"), None
 
     def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
         if not fused(x):
@@ -229,15 +242,15 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int) -> Ops:
             act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows,
                                                   **_warm_next(gate_up, "gate_up"))
         # the next layer's qkv takes a Prenormed only on Triton (this layer's tells)
-        prenorm = next_norm if PRENORM and last_qkv_triton[0] else None
-        return linear_fused_triton.linear_add(act, down, summed, max_rows=max_rows,
-                                              next_norm=prenorm,
-                                              **_warm_next(down, "down")), None
+        return add(act, down, summed, next_norm if prenorm and last_qkv_triton[0] else None,
+                   "down"), None
 
-    return replace(base, name=f"{base.name}-fused{min_rows}-{max_rows}",
-                   norm_linear=norm_linear, out_linear=out_linear, mlp=mlp,
+    name = f"{base.name}-fused{min_rows}-{max_rows}" + ("" if rank is None else f"-rank{rank}")
+    return replace(base, name=name, norm_linear=norm_linear, out_linear=out_linear, mlp=mlp,
                    rope_decode_attention=(None if base.rope_decode_attention is None
-                                          else rope_decode_attention))
+                                          else rope_decode_attention),
+                   for_rank=None if rank is not None else (
+                       lambda r: fused_ops(base, min_rows, max_rows, rank=r)))
 
 
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection

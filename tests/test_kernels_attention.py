@@ -430,23 +430,28 @@ def test_split_counters_outgrown_buffer_stays_alive(K):
 @kernel_test
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["prefill_attention", "prefill_attention_invariant"])
-def test_prefill_attention_padded_as_a_captured_prefill_pads(K, variant):
+@pytest.mark.parametrize("lead", [0, 5])
+def test_prefill_attention_padded_as_a_captured_prefill_pads(K, variant, lead):
     """A captured prefill pads its batch (capture/prefill.py): tokens past cu_seqlens[-1] that
-    belong to no sequence, and empty sequences after the real ones. The real tokens' outputs
-    are bitwise those of the unpadded call, and the padding reads nothing out of bounds."""
+    belong to no sequence, and empty sequences after the real ones; a mixed step also puts its
+    decode rows before cu_seqlens[0] (capture/mixed.py, `lead` of them). The real tokens'
+    outputs are bitwise those of the unpadded call, and the padding reads nothing out of
+    bounds."""
     dtype = torch.bfloat16
     seqs = big([(17, 0), (5, 30), (130, 7)], [(9, 0), (3, 5)])
     q_lens = [s[0] for s in seqs]
     lens = [s[0] + s[1] for s in seqs]
     kc, vc, _, _, tables = _paged_cache(lens, 2, 64, 16, dtype, 38)
     t, pad_t, pad_s = sum(q_lens), 23, 3
-    q = _randn((t + pad_t, 8, 64), dtype, 39)
+    q = _randn((lead + t + pad_t, 8, 64), dtype, 39)
     cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
     fn = getattr(K.at, variant)
-    exact = fn(q[:t], kc, vc, torch.tensor(cu, dtype=torch.int32, device=DEV),
+    exact = fn(q[lead:lead + t], kc, vc, torch.tensor(cu, dtype=torch.int32, device=DEV),
                torch.tensor(lens, dtype=torch.int32, device=DEV), tables, 0.125)
     scratch = torch.zeros(pad_s, tables.shape[1], dtype=tables.dtype, device=DEV)
-    padded = fn(q, kc, vc, torch.tensor(cu + [t] * pad_s, dtype=torch.int32, device=DEV),
+    padded = fn(q, kc, vc,
+                torch.tensor([lead + c for c in cu] + [lead + t] * pad_s, dtype=torch.int32,
+                             device=DEV),
                 torch.tensor(lens + [0] * pad_s, dtype=torch.int32, device=DEV),
                 torch.cat([tables, scratch]), 0.125)
-    assert torch.equal(padded[:t], exact)
+    assert torch.equal(padded[lead:lead + t], exact)

@@ -252,6 +252,50 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
 
 @kernel_test
 @pytest.mark.gpu
+def test_rank_sets_return_partial_sums_that_hold_the_residual_once(K):
+    """Under tensor parallelism (fused_ops(rank=r), through Ops.for_rank): o and down of each
+    rank return its partial sum, rank 0's with the residual added in the epilogue, the others'
+    on the same kernel without it; no norm is begun (a Prenormed of a partial sum would be
+    wrong) and no residual comes back. Summed over two ranks they give the whole projection
+    plus the residual; outside 33-64 rows, the plain projection and the residual."""
+    from graphexec.kernels import triton_ops
+
+    lf = K.lf
+    h, inter = big((2048, 4096), (64, 96))
+    bf = torch.bfloat16
+    w_o = _randn((h, h), bf, 60, h ** -0.5)
+    w_gu = _randn((2 * inter, h), bf, 61, h ** -0.5)
+    w_down = _randn((h, inter), bf, 62, inter ** -0.5)
+    nw = (1.0 + 0.2 * _randn((h,), torch.float32, 63)).to(bf)
+    half, ih = h // 2, inter // 2
+    # rank r: o's input columns, gate's and up's output rows, down's input columns of its half
+    gu = [torch.cat([w_gu[r * ih:(r + 1) * ih], w_gu[inter + r * ih:inter + (r + 1) * ih]])
+          for r in (0, 1)]
+    ranks = [triton_ops.TRITON_SINGLE_ROW_OPS.for_rank(r) for r in (0, 1)]
+    for m in (32, 64):
+        x, res = _randn((m, h), bf, 64), _randn((m, h), bf, 65)
+        outs = [ops.out_linear(x[:, r * half:(r + 1) * half], w_o[:, r * half:(r + 1) * half],
+                               res, nw) for r, ops in enumerate(ranks)]
+        mlps = [ops.mlp(x, res, nw, 1e-6, gu[r], w_down[:, r * ih:(r + 1) * ih], nw)
+                for r, ops in enumerate(ranks)]
+        if m < triton_ops.FUSED_MIN_ROWS:
+            assert all(r is res for _, r in outs) and all(r is not None for _, r in mlps)
+            continue
+        assert all(r is None and isinstance(o, torch.Tensor) for o, r in outs + mlps)
+        assert torch.equal(outs[0][0], lf.linear_add(x[:, :half], w_o[:, :half], res))
+        assert torch.equal(outs[1][0], lf.linear_partial(x[:, half:], w_o[:, half:]))
+        whole = (_ref_linear(x, w_o).float() + res.float()).to(bf)
+        _check((outs[0][0].float() + outs[1][0].float()).to(bf), whole, bf, "reduction")
+        normed, summed = K.lt._norm(x, res, nw, 1e-6)
+        act = torch.nn.functional.silu((normed.float() @ w_gu.float().t())[:, :inter]) * (
+            normed.float() @ w_gu.float().t())[:, inter:]
+        want = (act @ w_down.float().t() + summed.float()).to(bf)
+        got = (mlps[0][0].float() + mlps[1][0].float()).to(bf)
+        assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@kernel_test
+@pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="an LM head has >= 65536 rows: too slow interpreted")
 @pytest.mark.parametrize("m", [16, 33, 64])
 def test_lm_head_of_fused_rows_on_triton(K, m):

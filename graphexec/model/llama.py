@@ -90,9 +90,11 @@ class LlamaModel:
         if shard.sharded:
             # o and down return partial sums here. An op set that adds the residual stream in
             # their epilogue would add it once per rank, and one that begins the next norm there
-            # would normalise a partial sum: the plain projections instead, each summed by an
-            # all-reduce, with the residual added once, after it, by the next norm.
-            ops = replace(ops, out_linear=None, mlp=None)
+            # would normalise a partial sum: its rank's variant (only rank 0 adds, no norm
+            # begun), or else the plain projections, the residual then added once, after the
+            # all-reduce, by the next norm.
+            ops = (ops.for_rank(shard.rank) if ops.for_rank is not None
+                   else replace(ops, out_linear=None, mlp=None))
             whole = weights.lm_head.shape[0] == config.vocab_size  # a self-draft's is split
             if whole and shard.splits_vocab(config.vocab_size):
                 # a copy of this rank's rows (tied embeddings keep the whole table for lookup)
@@ -150,6 +152,7 @@ class LlamaModel:
                 h = self.shard.all_reduce(ops.linear(o, layer.o))
             else:
                 h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm)
+                h = self.shard.all_reduce(h)
             if ops.mlp is None:
                 gate_up, residual = ops.norm_linear(h, residual, layer.post_norm,
                                                     cfg.rms_norm_eps, layer.gate_up)
@@ -157,6 +160,7 @@ class LlamaModel:
             else:
                 h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
                                       layer.gate_up, layer.down, next_norm)
+                h = self.shard.all_reduce(h)
         return FinalHidden(h, residual)
 
     def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:
