@@ -7,8 +7,9 @@ num_decode of them), and every projection reads its weight once for both.
 
 Attention splits by kind of row. The decode rows attend as the decode iteration attends them
 (their own positions, slots and block tables read from DecodeState, through the decode-attention
-op): the prefill kernel would walk a long context one tile after another for each of them, where
-the decode kernel splits it. The chunks attend through the prefill attention, which sees the
+op): the prefill kernel would run one program per row and head over the whole context, where
+the decode kernel may split it (its split count follows the decode part's static size, though,
+not the rows that decode). The chunks attend through the prefill attention, which sees the
 decode rows' places as tokens of no sequence writing the scratch block.
 
 A row whose last chunk runs in this step samples its first token from the chunk and decodes from

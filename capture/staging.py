@@ -117,7 +117,8 @@ class ResultMailbox:
     The slot is picked on the device by a counter the kernel advances, since a replayed graph
     takes no host input. The host keeps a mirror of that counter: it adds one for every run of
     the kernel, eager or replayed, but not for a capture, which runs nothing. Whoever runs an
-    iteration must call `ran()` once after it (ModelRunner.iterate, GraphSet.replay do).
+    iteration must call `ran()` once after it (ModelRunner.iterate and GraphSet.replay do, and
+    ModelRunner's mixed steps, eager or replayed).
 
     A slot is rewritten R iterations later; the host reads each one an iteration after it was
     launched (reconcile is one step behind), so with R >= 3 it reads before the GPU rewrites.

@@ -188,8 +188,7 @@ class ModelRunner:
         if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS:
             tokens = next((t for t in self.prefill_tokens if t >= num_tokens), None)
         if tokens is None:
-            # the mixed step's decode part gathers DecodeState's tables: the same width
-            cols = st.max_cols if self.mixed else max(len(c.blocks) for c in chunks)
+            cols = max(len(c.blocks) for c in chunks)
             ints = pack_prefill(chunks, num_tokens, len(chunks), cols, self.block_size,
                                 self.scratch_block, st.inert_row, lead)
             d, _ = self.h2d.put(ints, [])
@@ -211,7 +210,8 @@ class ModelRunner:
         runs it, eagerly. With no `ints`, one of nothing but padding (it writes only the
         scratch block and the inert row): what GraphSet.capture warms up and captures."""
         st = self.state
-        if not torch.cuda.is_current_stream_capturing():  # a capture reads, never fills
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:  # a capture reads, never fills
             if ints is None:
                 ints = pack_prefill([], tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
                                     self.scratch_block, st.inert_row)

@@ -205,8 +205,11 @@ class Scheduler:
     def _prefill(self, new_rows: list[NewRow], entries: list[tuple[int, int, int]],
                  chunks: list[PrefillChunk], requests: list[Request]) -> None:
         """Spends the step's token budget on prompt chunks, the prompts already begun first.
-        The budget is cut to a captured prefill size, so a prompt cut into chunks pads none of
-        them, and is at least the smallest size, so prompts progress beside any batch."""
+        Mixed steps: what the decode rows leave of max_num_batched_tokens (at least one token,
+        since it exceeds max_batch); decode rows and chunks are padded to a token bucket
+        together, and a chunk that fills the step fills the largest one. Speculative steps: cut
+        to a captured prefill size, so a prompt cut into chunks pads none of them, and at least
+        the smallest size, so prompts progress beside any batch."""
         decode_tokens = len(self.running) * (self.spec_tokens + 1)
         if self.mixed:  # the whole step is bucketed: a chunk may fill it to the budget
             budget = self.max_num_batched_tokens - decode_tokens

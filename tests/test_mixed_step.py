@@ -1,6 +1,7 @@
 """The mixed step (capture/mixed.py): a step that admits runs its prompt chunks and the rows
 already decoding in one forward. The oracle is each request decoded alone, where no step mixes."""
 import pytest
+import torch
 
 from graphexec import Engine, SamplingParams
 from graphexec.request import Status
@@ -85,3 +86,46 @@ def test_a_speculative_engine_keeps_the_prefill_and_the_draft_steps_apart():
     engine = _engine(speculative=SpeculativeConfig("self:1", 2))
     assert not engine.runner.mixed and not engine.scheduler.mixed
     assert _engine().runner.mixed
+
+
+def test_padded_mixed_step_as_graphs_run_it_equals_the_exact_one():
+    """On CUDA a mixed step runs over the static buffer, padded to a token bucket, with a decode
+    part of min(max_batch, bucket) places whose unused ones run as the inert row (what the
+    graphs capture). Forced here on the CPU: the same tokens and logprobs as the exact-size
+    step, every block back in the pool, and the inert row left inert."""
+    from graphexec.capture.prefill import MAX_PREFILL_SEQS, PrefillMeta, token_buckets
+
+    prompts = _prompts(6, seed=8, lo=5, hi=120)
+    params = [SamplingParams(max_tokens=10 + 2 * i, temperature=0 if i % 2 else 0.7, seed=i,
+                             ignore_eos=True, logprobs=2 if i % 3 == 0 else None)
+              for i in range(6)]
+
+    def run(padded: bool):
+        engine = _engine(max_batch=4, max_num_batched_tokens=96)
+        runner = engine.runner
+        if padded:
+            st = runner.state
+            runner.prefill_tokens = token_buckets(96)
+            runner.prefill_buffer = torch.zeros(
+                PrefillMeta.size(96, MAX_PREFILL_SEQS, st.max_cols), dtype=torch.int64)
+        final, steps = {}, 0
+        while steps < 2 * len(prompts) or engine.has_unfinished():
+            if steps % 2 == 0 and steps // 2 < len(prompts):
+                i = steps // 2
+                engine.add_request(f"r{i}", prompts[i], params[i])
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+            steps += 1
+        st = runner.state
+        inert = st.inert_row
+        assert int(st.input_ids[inert]) == int(st.positions[inert]) == int(st.steps[inert]) == 0
+        assert bool((st.block_tables[inert] == st.scratch_block).all())
+        assert engine.pool.num_free == engine.pool.num_blocks
+        return final
+
+    exact, padded = run(False), run(True)
+    assert exact.keys() == padded.keys() == {f"r{i}" for i in range(6)}
+    for rid, out in exact.items():
+        assert padded[rid].token_ids == out.token_ids, rid
+        if out.logprobs is not None:
+            for a, b in zip(padded[rid].logprobs, out.logprobs):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4

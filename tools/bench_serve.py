@@ -12,8 +12,8 @@ Measured per run, from host timestamps taken when Engine.step returns:
   conversation arrives when the previous turn's last token came back.
 - ITL: the gap between consecutive steps that returned tokens for a request. A step that returns
   n tokens for a request after its first (speculative decoding) adds n samples of gap / n. The
-  first step's extra tokens (a new row's prefill token and its first decode token come back
-  together) add none: TTFT covers them.
+  first step's extra tokens (under speculation a new row's prefill token and its first decode
+  tokens come back together) add none: TTFT covers them.
 - TPOT: per request, (finish - first token) / (output tokens - 1).
 - GPU busy (CUDA): the time between the CUDA events around each step's forward (runner.timeline)
   over wall time. A step with prompt chunks runs them and the decode rows in one forward
