@@ -8,8 +8,8 @@ num_decode of them), and every projection reads its weight once for both.
 Attention splits by kind of row. The decode rows attend as the decode iteration attends them
 (their own positions, slots and block tables read from DecodeState, through the decode-attention
 op): the prefill kernel would run one program per row and head over the whole context, where
-the decode kernel may split it (its split count follows the decode part's static size, though,
-not the rows that decode). The chunks attend through the prefill attention, which sees the
+the decode kernel may split it (sized for DECODE_SPLIT_ROWS rows: the decode part's static size
+would mostly count inert places). The chunks attend through the prefill attention, which sees the
 decode rows' places as tokens of no sequence writing the scratch block.
 
 A row whose last chunk runs in this step samples its first token from the chunk and decodes from
@@ -26,6 +26,12 @@ from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .iteration import SampleOut, sample_rows
 from .prefill import PrefillMeta
 from .state import DecodeState
+
+# The decode part's attention sizes its split count as for a batch of this many rows (None: its
+# own size, min(max_batch, bucket) places, most of them inert rows that stop after one tile):
+# at the default max_batch of 64 that was one split, and a few rows with long contexts walked
+# them in one program per head.
+DECODE_SPLIT_ROWS: int | None = 8
 
 
 def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
@@ -45,7 +51,8 @@ def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefill
     ids = torch.cat([torch.where(live, state.input_ids[rows_dec], meta.ids[:r]), meta.ids[r:]])
     positions = torch.cat([torch.where(live, pos_dec, meta.positions[:r]), meta.positions[r:]])
     decode = AttentionInputs(slot_mapping=slots_dec, block_tables=tables_dec, seq_lens=lens_dec,
-                             rows_are_sequences=True)
+                             rows_are_sequences=True,
+                             split_rows=min(r, DECODE_SPLIT_ROWS) if DECODE_SPLIT_ROWS else None)
     attn = AttentionInputs(slot_mapping=meta.slots,
                            block_tables=meta.block_tables.to(torch.int32),
                            seq_lens=meta.seq_lens.to(torch.int32),

@@ -38,9 +38,10 @@ def _columns_in_use(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, split_rows: int | None = None) -> torch.Tensor:
     """One query per row. q: [B, Hq, D]; block_tables: [B, M]; seq_lens: [B] (keys to attend,
-    the query's own position included). Returns [B, Hq, D] in q's dtype; fp32 accumulation."""
+    the query's own position included). Returns [B, Hq, D] in q's dtype; fp32 accumulation.
+    split_rows: a hint for kernels that split a row's keys (unused here)."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     block_tables = _columns_in_use(block_tables, seq_lens, k_cache.shape[1])
@@ -92,11 +93,13 @@ def rope_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                              seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                              seq_lens: torch.Tensor, scale: float,
+                              split_rows: int | None = None) -> torch.Tensor:
     """A decode step's attention as one op: rotate q and k, write k and v to their slots, attend.
     Every row must be a different sequence (a row never reads another row's new token), which
     lets a kernel write and read a row's new token in the same program; the speculative verify,
-    whose rows share sequences, calls the two ops instead."""
+    whose rows share sequences, calls the two ops instead. split_rows: unused here (as
+    paged_decode_attention_ref)."""
     from .rope import rope_write_kv_ref
 
     q = rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)

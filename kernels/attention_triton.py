@@ -284,10 +284,11 @@ INVARIANT_SPLITS = 16
 
 def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, split_rows: int | None = None) -> torch.Tensor:
     """decode_attention with the split count taken from the block table's width only, never
     from the batch: a row's context is cut at the same places (they depend on its length and
-    the split count) whether it runs with 1 row or 320, as a draft row or a verify row."""
+    the split count) whether it runs with 1 row or 320, as a draft row or a verify row.
+    split_rows is ignored for that reason."""
     _, block_n = _decode_blocks(q.shape[-1])
     max_tiles = max(1, triton.cdiv(block_tables.shape[1] * k_cache.shape[1], block_n))
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -332,9 +333,11 @@ def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; block_tables [B, M] int32; seq_lens [B] int32 (>= 1). -> [B, Hq, D]."""
-    return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
+                     scale: float, split_rows: int | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; block_tables [B, M] int32; seq_lens [B] int32 (>= 1). -> [B, Hq, D].
+    split_rows: size the split count as for a batch of that many rows (decode_attention_splits)."""
+    return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
+                                   split_rows=split_rows)
 
 
 def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -342,7 +345,8 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float,
-                          prefetch: bool | None = None) -> torch.Tensor:
+                          prefetch: bool | None = None,
+                          split_rows: int | None = None) -> torch.Tensor:
     """rope_write_kv + decode_attention in one launch (attention.rope_decode_attention_ref):
     saves a kernel per layer and the rotated q's round trip through memory. Each row must be a
     different sequence whose slot lies in its own blocks (the decode step's rows: position
@@ -352,16 +356,18 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     where the kernel before is a Triton projection that lets dependents start early."""
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
                                    rope=(k, v, positions, cos, sin, slot_mapping),
-                                   prefetch=prefetch)
+                                   prefetch=prefetch, split_rows=split_rows)
 
 
 def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             num_splits: int | None, rope: tuple | None = None,
                             min_tiles: int | None = None, invariant: bool = False,
-                            prefetch: bool | None = None) -> torch.Tensor:
+                            prefetch: bool | None = None,
+                            split_rows: int | None = None) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
-    shapes. A row uses at most that many splits, and no more than one per min_tiles tiles of
+    shapes, as for a batch of split_rows rows when given (a mixed step's decode part, whose
+    places are mostly inert rows that exit after one tile: capture/mixed.py). A row uses at most that many splits, and no more than one per min_tiles tiles of
     its context (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
     slot_mapping): q, k unrotated, and the new k, v written by the kernel
     (rope_decode_attention). invariant: tiles that do not depend on the batch."""
@@ -400,7 +406,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d, block_n = _decode_blocks(d, None if invariant else b)
     m = block_tables.shape[1]
     if num_splits is None:
-        num_splits = _decode_num_splits(b, hk, m, bs, block_n, q.device)
+        num_splits = _decode_num_splits(split_rows or b, hk, m, bs, block_n, q.device)
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, int(MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles))
     direct = num_splits == 1

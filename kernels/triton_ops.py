@@ -208,10 +208,10 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
         return linear_triton.linear(normed, weight, bias, config, max_rows=max_rows,
                                     **_warm_next(weight, "qkv")), summed
 
-    def rope_decode_attention(q, *args):
+    def rope_decode_attention(q, *args, **kwargs):
         if fused(q) and last_qkv_triton[0]:
-            return base.rope_decode_attention(q, *args, prefetch=True)
-        return base.rope_decode_attention(q, *args)
+            return base.rope_decode_attention(q, *args, prefetch=True, **kwargs)
+        return base.rope_decode_attention(q, *args, **kwargs)
 
     prenorm = PRENORM and rank is None
 

@@ -89,6 +89,29 @@ def test_decode_attention(K, dtype, b, ctx, hq, hk, d, bs, splits):
 
 @kernel_test
 @pytest.mark.gpu
+def test_decode_attention_splits_as_hinted(K):
+    """split_rows (a mixed step's decode part: capture/mixed.py) sizes the split count as for a
+    batch of that many rows: more splits for 64 rows than their own count gives, the same
+    result as the reference either way."""
+    dtype = torch.bfloat16
+    b, hq, hk, d, bs = 64, 8, 2, 64, 16
+    lens = [1] * (b - 2) + [700, 300]  # two live rows among inert places
+    kc, vc, kbad, vbad, tables = _paged_cache(lens, hk, d, bs, dtype, 25)
+    q = _randn((b, hq, d), dtype, 26)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ref = attn_ref.paged_decode_attention_ref(q, kc, vc, tables, sl, 0.125, split_rows=2)
+    m = tables.shape[1]
+    block_n = K.at._decode_blocks(d, b)[1]
+    own = K.at._decode_num_splits(b, hk, m, bs, block_n, q.device)
+    hinted = K.at._decode_num_splits(2, hk, m, bs, block_n, q.device)
+    assert hinted > own
+    for hint in (None, 2):
+        out = K.at.decode_attention(q, kbad, vbad, tables, sl, 0.125, split_rows=hint)
+        _check(out, ref, dtype, "attention")
+
+
+@kernel_test
+@pytest.mark.gpu
 def test_decode_attention_many_splits_short_rows(K):
     """More splits than a row has tiles: the empty splits must contribute nothing."""
     dtype = torch.float16

@@ -59,6 +59,9 @@ class AttentionInputs:
     # decode rows' tokens the scratch slot and no sequence, and whose result they drop.
     decode: "AttentionInputs | None" = None
     decode_mask: torch.Tensor | None = None
+    # Decode: size the attention kernel's split count as for a batch of this many rows rather
+    # than its own row count (a mixed step's decode part, mostly inert places).
+    split_rows: int | None = None
 
 
 @dataclass
@@ -202,15 +205,16 @@ class LlamaModel:
                 v_cache) -> torch.Tensor:
         """[T, Hq, D]: rope, the KV write and attention for one kind of rows."""
         ops = self.ops
+        hint = {} if attn.split_rows is None else dict(split_rows=attn.split_rows)
         if (attn.cu_seqlens_q is None and attn.rows_are_sequences
                 and ops.rope_decode_attention is not None):
             return ops.rope_decode_attention(q, k, v, positions, self.cos, self.sin, k_cache,
                                              v_cache, attn.slot_mapping, attn.block_tables,
-                                             attn.seq_lens, self.scale)
+                                             attn.seq_lens, self.scale, **hint)
         q = ops.rope_write_kv(q, k, v, positions, self.cos, self.sin, k_cache, v_cache,
                               attn.slot_mapping)
         if attn.cu_seqlens_q is None:
             return ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                        self.scale)
+                                        self.scale, **hint)
         return ops.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                      attn.block_tables, self.scale)
