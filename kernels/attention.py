@@ -53,6 +53,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     valid = pos[None, :] < seq_lens[:, None]  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Past a row's length the gathered blocks hold anything (the scratch block takes padding's
+    # writes, NaN included), and a zero weight times NaN is NaN: those values must not enter.
+    vals = vals.masked_fill(~valid[:, :, None, None], 0.0)
     out = torch.einsum("bhgl,blhd->bhgd", probs, vals)
     return out.reshape(b, hq, d).to(q.dtype)
 
@@ -63,8 +66,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """Causal varlen attention. q: [T, Hq, D] packed; sequence i owns q rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1], which are its *last* tokens: with q_len queries and
     seq_lens[i] keys, query j sits at position seq_lens[i] - q_len + j (a cached prefix before the
-    queries needs no new kernel). Loops over sequences: this is the reference, not the fast path."""
-    out = torch.empty_like(q)
+    queries needs no new kernel). Loops over sequences: this is the reference, not the fast path.
+    Tokens of no sequence (a padded batch's) get zeros."""
+    out = torch.zeros_like(q)
     hq, d = q.shape[1], q.shape[2]
     hk = k_cache.shape[2]
     starts = cu_seqlens_q.tolist()

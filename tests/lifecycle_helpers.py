@@ -11,6 +11,29 @@ def make_engine(async_scheduling: bool, **kw) -> Engine:
     return Engine("tiny", async_scheduling=async_scheduling, **opts)
 
 
+def pad_like_graphs(engine: Engine) -> None:
+    """Makes a CPU engine run its mixed steps in the shapes CUDA graphs capture: over a static
+    buffer padded to a token bucket (and 16 chunks), with a decode part of min(max_batch,
+    bucket) places, those past the step's decode rows running as the inert row."""
+    import torch
+
+    from graphexec.capture.prefill import MAX_PREFILL_SEQS, PrefillMeta, token_buckets
+
+    runner, budget = engine.runner, engine.config.max_num_batched_tokens
+    runner.prefill_tokens = token_buckets(budget)
+    runner.prefill_buffer = torch.zeros(
+        PrefillMeta.size(budget, MAX_PREFILL_SEQS, runner.state.max_cols), dtype=torch.int64)
+
+
+def check_inert_row(engine: Engine) -> None:
+    """The row every padding place runs as still holds token 0, position 0, step 0 and only
+    the scratch block."""
+    st = engine.runner.state
+    row = st.inert_row
+    assert int(st.input_ids[row]) == int(st.positions[row]) == int(st.steps[row]) == 0
+    assert bool((st.block_tables[row] == st.scratch_block).all())
+
+
 def random_params(rng: random.Random, greedy: bool, max_tokens: int) -> SamplingParams:
     stop = rng.sample(range(2, 512), 24) if rng.random() < 0.5 else []
     return SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9,

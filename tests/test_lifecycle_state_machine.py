@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from graphexec.request import Status
-from lifecycle_helpers import check_blocks, collect, drain, make_engine, random_params
+from lifecycle_helpers import (check_blocks, check_inert_row, collect, drain, make_engine,
+                               pad_like_graphs, random_params)
 
 
 class AsyncEqualsSync(RuleBasedStateMachine):
@@ -172,6 +173,30 @@ def test_chunked_async_equals_whole_sync_with_aborts_pauses_evictions_mid_prefil
         suppress_health_check=[HealthCheck.too_slow]))
     assert all(TALLY.get(f"async_{k}", 0) > 0 for k in (
         "prefill_chunks", "aborted_prefilling", "evictions", "pauses")), TALLY
+
+
+class GraphShapedAsyncEqualsWholeSync(ChunkedAsyncEqualsWholeSync):
+    """The chunked program with async's mixed steps in the shapes the CUDA graphs run
+    (capture/mixed.py: padded to a token bucket, unused decode places as the inert row),
+    forced on the CPU. The inert row must stay inert through every pause, eviction and abort."""
+
+    def __init__(self):
+        super().__init__()
+        pad_like_graphs(self.asyn)
+
+    def teardown(self):
+        super().teardown()
+        check_inert_row(self.asyn)
+
+
+def test_graph_shaped_mixed_steps_equal_whole_sync_with_aborts_pauses_evictions():
+    TALLY.clear()
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(GraphShapedAsyncEqualsWholeSync, settings=settings(
+        max_examples=10, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert all(TALLY.get(f"async_{k}", 0) > 0 for k in ("prefill_chunks", "pauses")), TALLY
 
 
 # Prompts of the caching machine start with one of these, so later requests hit earlier blocks.

@@ -1,10 +1,10 @@
 """The mixed step (capture/mixed.py): a step that admits runs its prompt chunks and the rows
 already decoding in one forward. The oracle is each request decoded alone, where no step mixes."""
 import pytest
-import torch
 
 from graphexec import Engine, SamplingParams
 from graphexec.request import Status
+from lifecycle_helpers import check_inert_row, pad_like_graphs
 from test_engine import _prompts, run_engine
 
 
@@ -93,8 +93,6 @@ def test_padded_mixed_step_as_graphs_run_it_equals_the_exact_one():
     part of min(max_batch, bucket) places whose unused ones run as the inert row (what the
     graphs capture). Forced here on the CPU: the same tokens and logprobs as the exact-size
     step, every block back in the pool, and the inert row left inert."""
-    from graphexec.capture.prefill import MAX_PREFILL_SEQS, PrefillMeta, token_buckets
-
     prompts = _prompts(6, seed=8, lo=5, hi=120)
     params = [SamplingParams(max_tokens=10 + 2 * i, temperature=0 if i % 2 else 0.7, seed=i,
                              ignore_eos=True, logprobs=2 if i % 3 == 0 else None)
@@ -102,12 +100,8 @@ def test_padded_mixed_step_as_graphs_run_it_equals_the_exact_one():
 
     def run(padded: bool):
         engine = _engine(max_batch=4, max_num_batched_tokens=96)
-        runner = engine.runner
         if padded:
-            st = runner.state
-            runner.prefill_tokens = token_buckets(96)
-            runner.prefill_buffer = torch.zeros(
-                PrefillMeta.size(96, MAX_PREFILL_SEQS, st.max_cols), dtype=torch.int64)
+            pad_like_graphs(engine)
         final, steps = {}, 0
         while steps < 2 * len(prompts) or engine.has_unfinished():
             if steps % 2 == 0 and steps // 2 < len(prompts):
@@ -115,10 +109,7 @@ def test_padded_mixed_step_as_graphs_run_it_equals_the_exact_one():
                 engine.add_request(f"r{i}", prompts[i], params[i])
             final.update({o.request_id: o for o in engine.step() if o.finished})
             steps += 1
-        st = runner.state
-        inert = st.inert_row
-        assert int(st.input_ids[inert]) == int(st.positions[inert]) == int(st.steps[inert]) == 0
-        assert bool((st.block_tables[inert] == st.scratch_block).all())
+        check_inert_row(engine)
         assert engine.pool.num_free == engine.pool.num_blocks
         return final
 
