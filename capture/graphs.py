@@ -4,8 +4,8 @@ all in one memory pool.
 Each decode graph is the whole decode iteration (forward, sample, advance) over DecodeState's
 static buffers, so replaying it needs no host input: the host only changes the buffers (through a
 StepDelta) when the batch changes. Each prefill-bucket graph is what the runner runs for a step
-with prompt chunks (ModelRunner.prefill_padding: capture/mixed.py's mixed_step, or
-capture/prefill.py's prefill_step for a speculative runner) over a static metadata buffer that
+with prompt chunks (ModelRunner.prefill_padding: capture/mixed.py's mixed_step, without decode
+rows for a speculative runner) over a static metadata buffer that
 the host fills with one H2D copy before the replay.
 """
 from __future__ import annotations

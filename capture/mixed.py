@@ -36,43 +36,59 @@ DECODE_SPLIT_ROWS: int | None = 8
 
 
 def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
-               decode_rows: int, block_size: int, with_logprobs: bool) -> SampleOut:
-    """Decodes rows [0, meta.num_decode) (their tokens go where the decode iteration leaves
-    them, state.out_tokens and the logprob buffers) and runs the chunks as prefill_step does
-    (returns their samples). decode_rows: the static size of the decode part, at least
-    num_decode and at most the token count. Sizes come from tensors only: captured as it is."""
-    ops, dev = model.ops, meta.ids.device
+               decode_rows: int, block_size: int, with_logprobs: bool,
+               draft=None) -> SampleOut:
+    """Writes the chunks' KV, samples each chunk's next token from its last position and sets
+    the joining rows' next input, position and step (returned: the chunks' samples); decodes
+    rows [0, meta.num_decode) as the decode iteration does, their tokens where it leaves them
+    (state.out_tokens and the logprob buffers). decode_rows: the static size of the decode
+    part, at least num_decode and at most the token count; 0 for the prefill step alone (a
+    speculative runner's, whose draft with a KV cache of its own writes it here too). Sizes
+    come from tensors only: captured as it is (capture/graphs.py)."""
     r = decode_rows
-    index = torch.arange(r, device=dev)
-    live = index < meta.num_decode
-    rows_dec = torch.where(live, index, state.inert_row)
-    pos_dec = state.positions[rows_dec]
-    tables_dec = state.block_tables[rows_dec]
-    slots_dec, lens_dec = ops.decode_metadata(pos_dec, tables_dec, block_size)
-    ids = torch.cat([torch.where(live, state.input_ids[rows_dec], meta.ids[:r]), meta.ids[r:]])
-    positions = torch.cat([torch.where(live, pos_dec, meta.positions[:r]), meta.positions[r:]])
-    decode = AttentionInputs(slot_mapping=slots_dec, block_tables=tables_dec, seq_lens=lens_dec,
-                             rows_are_sequences=True,
-                             split_rows=min(r, DECODE_SPLIT_ROWS) if DECODE_SPLIT_ROWS else None)
+    ids, positions = meta.ids, meta.positions
     attn = AttentionInputs(slot_mapping=meta.slots,
                            block_tables=meta.block_tables.to(torch.int32),
                            seq_lens=meta.seq_lens.to(torch.int32),
-                           cu_seqlens_q=meta.cu_seqlens.to(torch.int32),
-                           decode=decode if r else None, decode_mask=live if r else None)
+                           cu_seqlens_q=meta.cu_seqlens.to(torch.int32))
+    # each chunk's last token (an empty pad sequence picks any token: its sample is unused)
+    last = meta.cu_seqlens[1:] - 1
+    rows, steps, samples = meta.rows, meta.steps, meta.samples
+    next_input, next_position = meta.resume, meta.next_position
+    if r:
+        index = torch.arange(r, device=ids.device)
+        live = index < meta.num_decode
+        rows_dec = torch.where(live, index, state.inert_row)
+        pos_dec = state.positions[rows_dec]
+        tables_dec = state.block_tables[rows_dec]
+        slots_dec, lens_dec = model.ops.decode_metadata(pos_dec, tables_dec, block_size)
+        ids = torch.cat([torch.where(live, state.input_ids[rows_dec], ids[:r]), ids[r:]])
+        positions = torch.cat([torch.where(live, pos_dec, positions[:r]), positions[r:]])
+        attn.decode = AttentionInputs(
+            slot_mapping=slots_dec, block_tables=tables_dec, seq_lens=lens_dec,
+            rows_are_sequences=True,
+            split_rows=min(r, DECODE_SPLIT_ROWS) if DECODE_SPLIT_ROWS else None)
+        attn.decode_mask = live
+        # Decode rows move on by their token; the inert row (every unused place) is
+        # rewritten with its own zeros.
+        last = torch.cat([index, last])
+        rows = torch.cat([rows_dec, rows])
+        steps = torch.cat([state.steps[rows_dec], steps])
+        samples = torch.cat([live.long(), samples])
+        next_input = torch.cat([torch.zeros_like(pos_dec), next_input])
+        next_position = torch.cat([torch.where(live, pos_dec + 1, 0), next_position])
     hidden = model.forward(ids, positions, attn, kv)
-    # the decode rows' own tokens, then each chunk's last (a pad sequence picks any token)
-    logits = model.compute_logits(hidden.rows(torch.cat([index, meta.cu_seqlens[1:] - 1])))
-    rows = torch.cat([rows_dec, meta.rows])
-    steps = torch.cat([state.steps[rows_dec], meta.steps])
+    if draft is not None and not draft.shares_target_kv:
+        draft.model.forward(ids, positions, attn, draft.kv)  # the draft's own KV
+    logits = model.compute_logits(hidden.rows(last))
     state.steps[rows] = steps
     out = sample_rows(model, state, rows, logits, with_logprobs)
-    # Decode rows move on by their token, new rows start from their first, resumed ones from
-    # their last token; the inert row (every unused place) is rewritten with its own zeros.
-    samples = torch.cat([live.long(), meta.samples])
-    state.input_ids[rows] = torch.where(samples.bool(), out.tokens,
-                                        torch.cat([torch.zeros_like(pos_dec), meta.resume]))
-    state.positions[rows] = torch.cat([torch.where(live, pos_dec + 1, 0), meta.next_position])
+    # New rows continue from their first sampled token, resumed ones from their last token.
+    state.input_ids[rows] = torch.where(samples.bool(), out.tokens, next_input)
+    state.positions[rows] = next_position
     state.steps[rows] = steps + samples
+    if not r:
+        return out
     state.out_tokens[:r, 0] = out.tokens[:r]
     if not with_logprobs:
         return SampleOut(out.tokens[r:])

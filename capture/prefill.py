@@ -1,5 +1,6 @@
-"""The prefill step: chunks of prompts written into the paged KV cache, the first token sampled for
-each prompt whose last chunk this is, and those rows' next inputs set in DecodeState.
+"""A step's prompt chunks, packed: what the step writes into the paged KV cache, and for each
+prompt whose last chunk this is, which DecodeState row its first token and next inputs go to
+(capture/mixed.py runs them, beside the decode rows or alone).
 
 A step's chunks are packed into one varlen batch described by `PrefillMeta`, whose tensors are all
 views of one int64 buffer that the host fills with a single H2D copy. With CUDA graphs the buffer
@@ -16,10 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from ..model.llama import AttentionInputs, KVCache, LlamaModel
-from .iteration import SampleOut, sample_rows
-from .state import DecodeState
 
 # How many sequences one prefill step packs at most (the captured graphs' fixed count).
 MAX_PREFILL_SEQS = 16
@@ -125,31 +122,6 @@ def pack_prefill(chunks: list[PrefillChunk], num_tokens: int, num_seqs: int, col
             rows[i], steps[i], next_pos[i] = c.row, c.step, c.end
             resume[i] = c.resume_token or 0
     cu[len(chunks) + 1:] = at
-    return out
-
-
-def prefill_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
-                 with_logprobs: bool, draft=None) -> SampleOut:
-    """Writes the chunks' KV, samples each sequence's next token from its last position, and
-    sets the joining rows' next input, position and step. Reads sizes from tensors only, so it
-    is captured as it is (capture/graphs.py)."""
-    attn = AttentionInputs(slot_mapping=meta.slots,
-                           block_tables=meta.block_tables.to(torch.int32),
-                           seq_lens=meta.seq_lens.to(torch.int32),
-                           cu_seqlens_q=meta.cu_seqlens.to(torch.int32))
-    hidden = model.forward(meta.ids, meta.positions, attn, kv)
-    if draft is not None and not draft.shares_target_kv:
-        draft.model.forward(meta.ids, meta.positions, attn, draft.kv)  # the draft's own KV
-    # An empty (pad) sequence picks the token before its offset: any row, its sample is unused.
-    logits = model.compute_logits(hidden.rows(meta.cu_seqlens[1:] - 1))
-    rows = meta.rows
-    state.steps[rows] = meta.steps
-    out = sample_rows(model, state, rows, logits, with_logprobs)
-    # New rows continue from their first sampled token, resumed ones from their last token;
-    # the inert row is rewritten with its own zeros.
-    state.input_ids[rows] = torch.where(meta.samples.bool(), out.tokens, meta.resume)
-    state.positions[rows] = meta.next_position
-    state.steps[rows] = meta.steps + meta.samples
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 from .capture.iteration import SampleOut, decode_iteration
 from .capture.mixed import mixed_step
 from .capture.prefill import (MAX_PREFILL_SEQS, PrefillChunk, PrefillMeta, pack_prefill,
-                              prefill_step, token_buckets)
+                              token_buckets)
 from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing, ResultMailbox
 from .capture.state import DecodeState, StepDelta, Variant, pack_delta
@@ -221,11 +221,12 @@ class ModelRunner:
 
     def _run_prefill(self, meta: PrefillMeta, with_logprobs: bool,
                      decode_rows: int) -> SampleOut:
-        """Eager: the mixed step with a decode part of decode_rows rows, or the plain prefill
-        step (a speculative runner)."""
+        """Eager: the mixed step with a decode part of decode_rows rows, or the chunks alone
+        (a speculative runner)."""
         st = self.state
         if not self.mixed:
-            return prefill_step(self.model, st, self.kv, meta, with_logprobs, self.draft)
+            return mixed_step(self.model, st, self.kv, meta, 0, self.block_size, with_logprobs,
+                              self.draft)
         out = mixed_step(self.model, st, self.kv, meta, decode_rows, self.block_size,
                          with_logprobs)
         if self.mailbox is not None:  # every run publishes, so the slot counter stays in step
