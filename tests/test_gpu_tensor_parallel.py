@@ -108,11 +108,12 @@ def _reduce_both_ways(shard, device, shapes):
     return out
 
 
-def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch):
-    """The one-shot reducer (GRAPHEXEC_ALL_REDUCE=symm_mem) sums what NCCL sums, bit for bit at
-    two ranks (one rounding of the same exact sum), also replayed from a captured graph; a
-    message over its size limit goes to NCCL."""
-    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "symm_mem")
+@pytest.mark.parametrize("kind", ["symm_mem", "triton"])
+def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch, kind):
+    """The one-shot reducers (GRAPHEXEC_ALL_REDUCE=symm_mem, =triton) sum what NCCL sums, bit
+    for bit at two ranks (one rounding of the same exact sum), also replayed from a captured
+    graph; a message over their size limit goes to NCCL."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", kind)
     shapes = [(1, 4096), (64, 4096), (7, 2048), (1024, 4096)]  # the last one: 8 MiB, NCCL
     ranks = on_every_rank(_reduce_both_ways, (shapes,), 2, CUDA)
     for i, shape in enumerate(shapes):
@@ -122,3 +123,46 @@ def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch):
         want = (x0.float() + x1.float()).to(torch.bfloat16)
         for got in (eager, captured, nccl, ranks[1][i][2]):
             assert torch.equal(got, want), shape
+
+
+def _reduce_a_forward_in_a_graph(shard, device, sites: int, replays: int):
+    """A graph of `sites` all-reduces in a row, slots alternating as the model's o and down
+    do, replayed with new operands: every replay's sums, and the waits that gave up."""
+    static = [torch.zeros(1, 4096, device=device, dtype=torch.bfloat16) for _ in range(sites)]
+    for i, x in enumerate(static):  # the eager warm-up also runs the sequence once
+        shard.all_reduce(x, i % 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [shard.all_reduce(x, i % 2) for i, x in enumerate(static)]
+    got = []
+    for r in range(replays):
+        gen = torch.Generator(device=device).manual_seed(1000 * r + shard.rank)
+        mine = [torch.randn(1, 4096, device=device, dtype=torch.bfloat16, generator=gen)
+                for _ in range(sites)]
+        for x, m in zip(static, mine):
+            x.copy_(m)
+        graph.replay()
+        got.append(([m.cpu() for m in mine], [o.clone().cpu() for o in outs]))
+    torch.cuda.synchronize()
+    return got, shard.reducer.timeouts()
+
+
+def test_triton_all_reduce_over_a_replayed_forward(monkeypatch):
+    """64 all-reduces a replay, as a llama-8b forward makes, five replays back to back with
+    no host wait between them: each sum is the two ranks' operands' exact sum, rounded once,
+    on both ranks, and no wait gave up."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
+    ranks = on_every_rank(_reduce_a_forward_in_a_graph, (64, 5), 2, CUDA)
+    (got0, late0), (got1, late1) = ranks
+    assert late0 == 0 and late1 == 0
+    for (mine0, outs0), (mine1, outs1) in zip(got0, got1):
+        for a, b, o0, o1 in zip(mine0, mine1, outs0, outs1):
+            want = (a.float() + b.float()).to(torch.bfloat16)
+            assert torch.equal(o0, want) and torch.equal(o1, want)
+
+
+def test_async_graphs_equal_sync_at_size_2_over_nccl(monkeypatch):
+    """The engine test above with GRAPHEXEC_ALL_REDUCE=nccl (the default is the Triton
+    one-shot kernel): async with graphs gives sync's tokens, with 0 chain breaks."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "nccl")
+    test_async_graphs_equal_sync_at_size_2("auto")

@@ -337,3 +337,27 @@ def test_model_kernels_compile(compiled, monkeypatch):
         consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
         allowed = 2 + (3 if consts.get("ROPE") else 0)
         assert _weight_loads(kernel)[1] <= allowed, (name, _weight_loads(kernel))
+
+
+def test_all_reduce_kernel_compiles_with_system_scope_flags(compiled, monkeypatch):
+    """kernels/all_reduce_triton.py for sm_90: flags raised with a releasing and taken with an
+    acquiring compare-and-swap at system scope (the peers are other GPUs), peers' slots read
+    past L1 in 16-byte loads, the deadline from the GPU's global timer, and nothing read or
+    written before the PDL wait."""
+    from graphexec.kernels import all_reduce_triton as ar
+    from graphexec.kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    slot = 1 << 20
+    peers = ar.PeerBuffers(0, 2, torch.zeros(2, dtype=torch.int64),
+                           torch.zeros(2, dtype=torch.int64), slot)
+    ar.one_shot_all_reduce(_bf16(1, 4096), peers, 0)
+    (name, kernel), = compiled
+    assert name == "_one_shot_all_reduce_kernel" and kernel.metadata.launch_pdl
+    ptx = kernel.asm["ptx"]
+    _before_wait(ptx)
+    for sem in ("release", "acquire"):
+        cas = re.findall(rf"atom[.\w]*\.{sem}[.\w]*\.cas\b", ptx)
+        assert cas and all(".sys" in c for c in cas), (sem, cas)
+    assert re.search(r"ld\.global\.cv\.v4", ptx), "peer loads past L1, 16 bytes each"
+    assert "%globaltimer" in ptx

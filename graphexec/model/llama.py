@@ -151,19 +151,21 @@ class LlamaModel:
             o = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
             # (h, residual): the stream is h + residual, or h when residual is None (an op set
             # that adds in the projection's epilogue)
+            # o's sums are reduced in slot 0, down's in slot 1, so consecutive reductions
+            # alternate in every forward (kernels/all_reduce_triton.py)
             if ops.out_linear is None:
-                h = self.shard.all_reduce(ops.linear(o, layer.o))
+                h = self.shard.all_reduce(ops.linear(o, layer.o), 0)
             else:
                 h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm)
-                h = self.shard.all_reduce(h)
+                h = self.shard.all_reduce(h, 0)
             if ops.mlp is None:
                 gate_up, residual = ops.norm_linear(h, residual, layer.post_norm,
                                                     cfg.rms_norm_eps, layer.gate_up)
-                h = self.shard.all_reduce(ops.silu_mul_linear(gate_up, layer.down))
+                h = self.shard.all_reduce(ops.silu_mul_linear(gate_up, layer.down), 1)
             else:
                 h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
                                       layer.gate_up, layer.down, next_norm)
-                h = self.shard.all_reduce(h)
+                h = self.shard.all_reduce(h, 1)
         return FinalHidden(h, residual)
 
     def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:

@@ -1,20 +1,20 @@
-"""The all-reduce of a decode step's small partial sums through torch's symmetric memory.
+"""The all-reduce of a decode step's small partial sums through symmetric memory.
 
 An NCCL all-reduce of a few kilobytes costs about as much as one of a megabyte: the time goes to
 its protocol, not to moving data, and a llama-8b step at tensor_parallel_size 2 makes 64 of
-them. torch's one-shot all-reduce instead has every rank copy its partial sum into a buffer that
-all ranks mapped at start-up (over NVLink), meet at a barrier of flags in that memory, and read
-all the ranks' copies to sum them: one kernel, no host work, and it can be captured in a CUDA
-graph like any other. It reads every peer's whole buffer, so it suits small messages; larger
-ones (prefill chunks) keep NCCL.
+them. Symmetric memory is a buffer every rank mapped at start-up (over NVLink), so a kernel can
+read its peers' copies directly: one kernel, no host work, captured in a CUDA graph like any
+other. A one-shot kernel reads every peer's whole message, so it suits small messages; larger
+ones (prefill chunks) keep NCCL. No NVLink multicast is involved.
 
-No NVLink multicast is involved (the multimem variants are never called).
-
-GRAPHEXEC_ALL_REDUCE picks the implementation: "nccl" (the default) or "symm_mem". On two H100s
-(llama-8b, 2026-11-25, docs/benchmarks.md "Tensor parallelism") the one-shot kernel took about
-9 us an all-reduce at batch 1 (the wait for the other rank included) and the step was no faster
-than with NCCL (3.60 against 3.54 ms; 5.01 against 4.94 ms at batch 64), so NCCL stays the
-default.
+GRAPHEXEC_ALL_REDUCE picks the implementation:
+  "triton" (the default): ours (kernels/all_reduce_triton.py), launched as a programmatic
+      dependent, so the next projection fetches its first weight tiles during the exchange;
+  "symm_mem": torch's one_shot_all_reduce (on two H100s, llama-8b, 2026-11-25, about 9 us an
+      all-reduce at batch 1, the wait for the other rank included; the step no faster than
+      with NCCL: 3.60 against 3.54 ms, 5.01 against 4.94 ms at batch 64);
+  "nccl": the group's NCCL all-reduce.
+The default and the measurements behind it: docs/benchmarks.md, "Tensor parallelism".
 """
 from __future__ import annotations
 
@@ -30,44 +30,98 @@ import torch.distributed as dist
 ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
 
 
+CHOICES = ("triton", "symm_mem", "nccl")
+DEFAULT = "triton"
+
+
 def choice() -> str:
-    value = os.environ.get("GRAPHEXEC_ALL_REDUCE", "nccl")
-    if value not in ("symm_mem", "nccl"):
-        raise ValueError(f"GRAPHEXEC_ALL_REDUCE={value!r}: expected 'symm_mem' or 'nccl'")
+    value = os.environ.get("GRAPHEXEC_ALL_REDUCE", DEFAULT)
+    if value not in CHOICES:
+        raise ValueError(f"GRAPHEXEC_ALL_REDUCE={value!r}: expected one of {CHOICES}")
     return value
 
 
+def _mapped(group: dist.ProcessGroup, device: torch.device, nbytes: int):
+    """A buffer of nbytes that every rank of group maps, and its rendezvous handle. Every rank
+    must call it at the same point (the rendezvous is a collective)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # a no-op or absent in newer torch; required in older
+        enable(group.group_name)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer, symm_mem.rendezvous(buffer, group.group_name)
+
+
 class SymmetricAllReduce:
-    """One rank's mapped buffer and the one-shot op over it. Every rank must construct it at the
-    same point (the rendezvous that maps the buffers is a collective)."""
+    """torch's one-shot op over one rank's mapped buffer ("symm_mem")."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
-        from torch.distributed import _symmetric_memory as symm_mem
-
         self.group_name = group.group_name
         self.max_bytes = 2 * ONE_SHOT_BYTES_AT_SIZE_2 // size
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # a no-op or absent in newer torch; required in older
-            enable(self.group_name)
-        self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.buffer, _ = _mapped(group, device, self.max_bytes)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.is_contiguous() and t.numel() * t.element_size() <= self.max_bytes
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor (t is only read). The copy into the mapped
-        buffer happens inside the same kernel."""
+        buffer happens inside the same kernel. slot: unused here."""
         staged = self.buffer.view(t.dtype)[: t.numel()].view_as(t)
         out = torch.empty_like(t)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, t, "sum", self.group_name, out)
         return out
 
 
+class TritonAllReduce:
+    """kernels/all_reduce_triton.py over one rank's mapped buffer ("triton"): its flag area,
+    then two slots of max_bytes."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
+        from ..kernels import all_reduce_triton as ar
+
+        self.max_bytes = 2 * ONE_SHOT_BYTES_AT_SIZE_2 // size
+        self.buffer, handle = _mapped(group, device, ar.FLAG_BYTES + 2 * self.max_bytes)
+        bases = [int(p) for p in handle.buffer_ptrs]
+        self.peers = ar.PeerBuffers(
+            rank=dist.get_rank(group), world=size,
+            data_ptrs=torch.tensor([b + ar.FLAG_BYTES for b in bases], dtype=torch.int64,
+                                   device=device),
+            flag_ptrs=torch.tensor(bases, dtype=torch.int64, device=device),
+            slot_bytes=self.max_bytes)
+        # Every flag down on every rank before any rank raises one.
+        self.buffer[: ar.FLAG_BYTES].zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        from ..kernels import all_reduce_triton as ar
+
+        return ar.fits(self.peers, t)
+
+    def __call__(self, t: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
+        consecutive all-reduces (the model's o and down)."""
+        from ..kernels import all_reduce_triton as ar
+
+        return ar.one_shot_all_reduce(t, self.peers, slot)
+
+    def timeouts(self) -> int:
+        """Waits for a peer that gave up (the peer dead or hung); a host read."""
+        from ..kernels import all_reduce_triton as ar
+
+        return ar.timeouts(self.buffer[: ar.FLAG_BYTES].view(torch.int32))
+
+
 def make_reducer(group: dist.ProcessGroup, device: torch.device,
-                 size: int) -> SymmetricAllReduce | None:
-    """The symmetric-memory reducer on CUDA when GRAPHEXEC_ALL_REDUCE asks for it; else None
-    (NCCL, or gloo on the CPU)."""
-    if device.type != "cuda" or choice() != "symm_mem":
+                 size: int) -> SymmetricAllReduce | TritonAllReduce | None:
+    """The reducer GRAPHEXEC_ALL_REDUCE asks for, on CUDA; else None (NCCL, or gloo on the
+    CPU)."""
+    if device.type != "cuda":
         return None
-    return SymmetricAllReduce(group, device, size)
+    kind = choice()
+    if kind == "triton":
+        return TritonAllReduce(group, device, size)
+    if kind == "symm_mem":
+        return SymmetricAllReduce(group, device, size)
+    return None
