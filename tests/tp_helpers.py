@@ -66,7 +66,3 @@ def sharded_logits(models: list[str], size: int, device: torch.device = torch.de
     split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
     ranks = on_every_rank(_logits_as_arrays, (models, dtype), size, device)
     return [[torch.from_numpy(a) for a in arrays] for arrays in ranks]
-
-
-def step_group_name(shard, device: torch.device) -> str:
-    return shard.group.group_name

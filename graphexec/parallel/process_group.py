@@ -2,7 +2,6 @@
 on the CPU, over a TCP store that rank 0 hosts on this machine (the ranks are its processes)."""
 from __future__ import annotations
 
-import itertools
 import threading
 from datetime import timedelta
 
@@ -19,14 +18,6 @@ START_TIMEOUT = timedelta(minutes=10)
 # A collective inside a step: a rank that has not joined by then is hung. (A rank that died is
 # noticed sooner: its sockets close, and rank 0 checks the workers' exit codes every step.)
 STEP_TIMEOUT = timedelta(seconds=60)
-# torch names a process's groups "1", "2", ... after each init_process_group, and its
-# symmetric-memory registry (parallel/symmetric.py) keeps the store of a name's first group for
-# good: a second engine in this process would meet its workers on the first engine's store and
-# wait forever. So each engine rank 0 makes numbers its groups from a base of its own, which the
-# workers read from the store.
-_GROUP_BASE_KEY = "graphexec/group_base"
-_GROUP_BASE_STRIDE = 1000
-_engines_joined = itertools.count(1)
 
 
 def host_store(size: int) -> dist.TCPStore:
@@ -51,14 +42,8 @@ def join_process_group(rank: int, size: int, device: torch.device,
     """Joins the default group (start-up collectives) and makes the group the forward's
     all-reduces run on, with the shorter step timeout. Every rank must call it."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if rank == 0:
-        store.set(_GROUP_BASE_KEY, str(_GROUP_BASE_STRIDE * next(_engines_joined)))
-    base = int(store.get(_GROUP_BASE_KEY))
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=START_TIMEOUT)
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and hasattr(world, "group_count"):
-        world.group_count = base
     group = dist.new_group(timeout=STEP_TIMEOUT)
     # A group's communicator is made at its first collective: here, before the weights fill
     # the device (NCCL's buffers did not fit beside llama-70b's half), not at the first use.

@@ -19,7 +19,6 @@ The default and the measurements behind it: docs/benchmarks.md, "Tensor parallel
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,10 +47,8 @@ def _mapped(group: dist.ProcessGroup, device: torch.device, nbytes: int):
     from torch.distributed import _symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # deprecated from torch 2.11 (the store comes from the group)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            enable(group.group_name)
+    if enable is not None:  # a no-op or absent in newer torch; required in older
+        enable(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     return buffer, symm_mem.rendezvous(buffer, group.group_name)
 
