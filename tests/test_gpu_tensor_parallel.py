@@ -7,7 +7,7 @@ import torch
 from graphexec import Engine, SamplingParams
 from test_engine import _mixed_requests, _same, run_engine
 from test_hf_parity import _graphexec_prefill_logits
-from tp_helpers import PROMPTS, on_every_rank, sharded_logits
+from tp_helpers import PROMPTS, engine_in_a_process, on_every_rank, sharded_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -105,7 +105,7 @@ def _reduce_both_ways(shard, device, shapes):
         dist.all_reduce(nccl, group=shard.group)
         torch.cuda.synchronize()
         out.append((fits, x.cpu(), eager.cpu(), captured.cpu(), nccl.cpu()))
-    return out
+    return type(shard.reducer).__name__, out
 
 
 @pytest.mark.parametrize("kind", ["symm_mem", "triton"])
@@ -115,7 +115,9 @@ def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch, kind
     graph; a message over their size limit goes to NCCL."""
     monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", kind)
     shapes = [(1, 4096), (64, 4096), (7, 2048), (1024, 4096)]  # the last one: 8 MiB, NCCL
-    ranks = on_every_rank(_reduce_both_ways, (shapes,), 2, CUDA)
+    reducers, ranks = zip(*on_every_rank(_reduce_both_ways, (shapes,), 2, CUDA))
+    want_reducer = {"symm_mem": "SymmetricAllReduce", "triton": "TritonAllReduce"}[kind]
+    assert reducers == (want_reducer, want_reducer)
     for i, shape in enumerate(shapes):
         fits, x0, eager, captured, nccl = ranks[0][i]
         x1 = ranks[1][i][1]
@@ -144,7 +146,7 @@ def _reduce_a_forward_in_a_graph(shard, device, sites: int, replays: int):
         graph.replay()
         got.append(([m.cpu() for m in mine], [o.clone().cpu() for o in outs]))
     torch.cuda.synchronize()
-    return got, shard.reducer.timeouts()
+    return type(shard.reducer).__name__, got, shard.reducer.timeouts()
 
 
 def test_triton_all_reduce_over_a_replayed_forward(monkeypatch):
@@ -153,7 +155,8 @@ def test_triton_all_reduce_over_a_replayed_forward(monkeypatch):
     on both ranks, and no wait gave up."""
     monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
     ranks = on_every_rank(_reduce_a_forward_in_a_graph, (64, 5), 2, CUDA)
-    (got0, late0), (got1, late1) = ranks
+    (kind0, got0, late0), (kind1, got1, late1) = ranks
+    assert kind0 == kind1 == "TritonAllReduce"
     assert late0 == 0 and late1 == 0
     for (mine0, outs0), (mine1, outs1) in zip(got0, got1):
         for a, b, o0, o1 in zip(mine0, mine1, outs0, outs1):
@@ -161,8 +164,36 @@ def test_triton_all_reduce_over_a_replayed_forward(monkeypatch):
             assert torch.equal(o0, want) and torch.equal(o1, want)
 
 
-def test_async_graphs_equal_sync_at_size_2_over_nccl(monkeypatch):
-    """The engine test above with GRAPHEXEC_ALL_REDUCE=nccl (the default is the Triton
-    one-shot kernel): async with graphs gives sync's tokens, with 0 chain breaks."""
-    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "nccl")
-    test_async_graphs_equal_sync_at_size_2("auto")
+def test_async_graphs_equal_sync_at_size_2_with_the_triton_all_reduce(monkeypatch):
+    """The engine test above with GRAPHEXEC_ALL_REDUCE=triton, each engine in a process of its
+    own (a process maps symmetric memory for one engine only): async with graphs gives sync's
+    tokens, 0 chain breaks, and both engines ran the Triton all-reduce."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
+    reqs = _mixed_requests(16, seed=5)
+    opts = dict(device="cuda", dtype="bfloat16", max_batch=16, num_kv_blocks=512,
+                buckets=[1, 2, 4, 8, 16], tensor_parallel_size=2)
+    want, _, sync_reducer = engine_in_a_process("tiny", dict(opts, async_scheduling=False),
+                                                reqs)
+    got, breaks, async_reducer = engine_in_a_process("tiny", dict(opts, async_scheduling=True),
+                                                     reqs)
+    _same(want, got)
+    assert breaks == 0 and sync_reducer == async_reducer == "TritonAllReduce"
+
+
+def test_a_second_engine_in_a_process_falls_back_to_nccl(monkeypatch):
+    """A process maps symmetric memory once: the first size-2 engine here asks for the Triton
+    all-reduce and gets it, the second gets NCCL (a second rendezvous never completed), and
+    both give the same greedy tokens. (No other test maps symmetric memory in the test
+    process: they run such engines and ranks in processes of their own.)"""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reqs = [(f"r{i}", [5 + i, 40, 250, 17], params) for i in range(4)]
+    opts = dict(device="cuda", dtype="bfloat16", max_batch=4, num_kv_blocks=128,
+                buckets=[1, 2, 4], tensor_parallel_size=2)
+    outs, reducers = [], []
+    for _ in range(2):
+        with Engine("tiny", **opts) as eng:
+            reducers.append(type(eng.model.shard.reducer).__name__)
+            outs.append(run_engine(eng, reqs))
+    assert reducers == ["TritonAllReduce", "NoneType"]
+    _same(outs[0], outs[1])

@@ -267,3 +267,28 @@ def test_close_ends_the_workers():
     assert not torch.distributed.is_initialized()
     with Engine("tiny", tensor_parallel_size=2, **ENGINE) as engine:
         assert len(engine.workers.workers) == 1
+
+
+def test_the_all_reduce_kind_rank_0_picks(monkeypatch):
+    """GRAPHEXEC_ALL_REDUCE picks the kind on CUDA; the CPU and a process that has mapped
+    symmetric memory before (a second engine) get the group's own all-reduce; a bad value
+    names the variable."""
+    from graphexec.parallel import symmetric
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(symmetric, "_mapped_once", False)
+    monkeypatch.delenv("GRAPHEXEC_ALL_REDUCE", raising=False)
+    assert symmetric.pick(cuda) == "nccl"
+    for kind in ("triton", "symm_mem", "nccl"):
+        monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", kind)
+        assert symmetric.pick(cuda) == kind
+        assert symmetric.pick(cpu) == "nccl"
+    monkeypatch.setattr(symmetric, "_mapped_once", True)
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
+    assert symmetric.pick(cuda) == "nccl"
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "custom")
+    with pytest.raises(ValueError, match="GRAPHEXEC_ALL_REDUCE='custom'"):
+        symmetric.pick(cuda)
+    with pytest.raises(ValueError, match="'custom'"):
+        symmetric.make_reducer("custom", None, cpu, 2)
+    assert symmetric.make_reducer("nccl", None, cpu, 2) is None

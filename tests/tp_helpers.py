@@ -16,8 +16,8 @@ def _rank_logits(models: list[str], shard, device: torch.device,
             .cpu() for m in models]
 
 
-def _other_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
-                device: torch.device) -> None:
+def _one_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
+              device: torch.device) -> None:
     device = process_group.rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -30,30 +30,29 @@ def _other_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
 
 
 def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
-    """fn(shard, device, *args) on each of `size` ranks (rank 0 in this process, the others
-    spawned; gloo on the CPU, NCCL over `size` GPUs from `device` on): each rank's result, which
-    must pickle. fn must be importable by name (a module-level function)."""
+    """fn(shard, device, *args) on each of `size` ranks, each a process spawned here (gloo on
+    the CPU, NCCL over `size` GPUs from `device` on): each rank's result, which must pickle. fn
+    must be importable by name (a module-level function). Rank 0 runs in a new process too, not
+    in the test's: a process maps symmetric memory for one engine only
+    (parallel/symmetric.py), and every call here must get the all-reduce it asks for."""
     ctx = mp.get_context("spawn")
     store = process_group.host_store(size)
     procs, conns = [], []
-    for rank in range(1, size):
+    for rank in range(size):
         ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_other_rank, daemon=True,
+        p = ctx.Process(target=_one_rank, daemon=True,
                         args=(rank, size, store.port, fn, args, theirs, device))
         p.start()
+        theirs.close()  # a rank that dies without a result then ends recv with EOFError
         procs.append(p)
         conns.append(ours)
-    shard = process_group.join_process_group(0, size, device, store)
     try:
-        out = [fn(shard, device, *args)]
-        out += [c.recv() for c in conns]
+        return [c.recv() for c in conns]
     finally:
-        process_group.leave_process_group()
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return out
 
 
 def _logits_as_arrays(shard, device: torch.device, models: list[str], dtype: torch.dtype):
@@ -66,3 +65,31 @@ def sharded_logits(models: list[str], size: int, device: torch.device = torch.de
     split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
     ranks = on_every_rank(_logits_as_arrays, (models, dtype), size, device)
     return [[torch.from_numpy(a) for a in arrays] for arrays in ranks]
+
+
+def _engine_in_a_process(conn, model: str, opts: dict, reqs: list) -> None:
+    from graphexec import Engine
+    from test_engine import run_engine
+
+    with Engine(model, **opts) as eng:
+        out = run_engine(eng, reqs)
+        conn.send((out, eng.stats_summary()["chain_breaks"],
+                   type(eng.model.shard.reducer).__name__))
+
+
+def engine_in_a_process(model: str, opts: dict, reqs: list) -> tuple:
+    """run_engine(Engine(model, **opts), reqs) with the engine (rank 0) in a process of its
+    own, so that it gets the all-reduce it asks for (tp_helpers.on_every_rank says why): its
+    final outputs, its chain breaks, and its all-reduce's class (NoneType: the group's own)."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    # not a daemon: the engine starts its own worker processes
+    p = ctx.Process(target=_engine_in_a_process, args=(theirs, model, opts, reqs))
+    p.start()
+    theirs.close()
+    try:
+        return ours.recv()
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.shard import Shard
-from .symmetric import make_reducer
+from . import symmetric
 
 HOST = "127.0.0.1"
 # Rendezvous and start-up collectives wait for the slowest rank to load its shard from disk
@@ -18,6 +18,8 @@ START_TIMEOUT = timedelta(minutes=10)
 # A collective inside a step: a rank that has not joined by then is hung. (A rank that died is
 # noticed sooner: its sockets close, and rank 0 checks the workers' exit codes every step.)
 STEP_TIMEOUT = timedelta(seconds=60)
+# Where rank 0 leaves its choice of all-reduce for the other ranks (parallel/symmetric.py).
+_REDUCER_KEY = "graphexec/all_reduce"
 
 
 def host_store(size: int) -> dist.TCPStore:
@@ -42,6 +44,9 @@ def join_process_group(rank: int, size: int, device: torch.device,
     """Joins the default group (start-up collectives) and makes the group the forward's
     all-reduces run on, with the shorter step timeout. Every rank must call it."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if rank == 0:
+        store.set(_REDUCER_KEY, symmetric.pick(device))
+    reducer_kind = store.get(_REDUCER_KEY).decode()
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=START_TIMEOUT)
     group = dist.new_group(timeout=STEP_TIMEOUT)
@@ -49,7 +54,7 @@ def join_process_group(rank: int, size: int, device: torch.device,
     # the device (NCCL's buffers did not fit beside llama-70b's half), not at the first use.
     for g in (None, group):
         dist.all_reduce(torch.zeros(1, device=device), group=g)
-    return Shard(rank, size, group, make_reducer(group, device, size))
+    return Shard(rank, size, group, symmetric.make_reducer(reducer_kind, group, device, size))
 
 
 def leave_process_group(abort: bool = False, timeout_s: float | None = None) -> bool:

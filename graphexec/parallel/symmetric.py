@@ -8,13 +8,21 @@ other. A one-shot kernel reads every peer's whole message, so it suits small mes
 ones (prefill chunks) keep NCCL. No NVLink multicast is involved.
 
 GRAPHEXEC_ALL_REDUCE picks the implementation:
-  "triton" (the default): ours (kernels/all_reduce_triton.py), launched as a programmatic
-      dependent, so the next projection fetches its first weight tiles during the exchange;
+  "nccl" (the default): the group's NCCL all-reduce;
+  "triton": ours (kernels/all_reduce_triton.py), launched as a programmatic dependent, so the
+      next projection fetches its first weight tiles during the exchange; on two H200s
+      (llama-8b, 2026-11-26) it made the size-2 decode step 8.7% shorter at batch 1 and 9.0% at
+      batch 64 than NCCL. Not the default yet: its graph-replay and engine tests on two GPUs
+      have not run to the end (docs/benchmarks.md, "Tensor parallelism");
   "symm_mem": torch's one_shot_all_reduce (on two H100s, llama-8b, 2026-11-25, about 9 us an
       all-reduce at batch 1, the wait for the other rank included; the step no faster than
-      with NCCL: 3.60 against 3.54 ms, 5.01 against 4.94 ms at batch 64);
-  "nccl": the group's NCCL all-reduce.
-The default and the measurements behind it: docs/benchmarks.md, "Tensor parallelism".
+      with NCCL: 3.60 against 3.54 ms, 5.01 against 4.94 ms at batch 64).
+
+One mapping a process: in a process that has mapped a symmetric buffer once, a second
+rendezvous (a second tensor-parallel engine whose workers are new processes) never completed
+on two H200s, with group names made unique too, so torch keeps some rendezvous state per
+process. Rank 0 therefore asks for the symmetric kinds only the first time (pick); later
+engines of the process use NCCL, and every rank follows rank 0's pick.
 """
 from __future__ import annotations
 
@@ -30,8 +38,10 @@ import torch.distributed as dist
 ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
 
 
-CHOICES = ("triton", "symm_mem", "nccl")
-DEFAULT = "triton"
+CHOICES = ("nccl", "triton", "symm_mem")
+DEFAULT = "nccl"
+# Whether this process has mapped a symmetric buffer (module docstring).
+_mapped_once = False
 
 
 def choice() -> str:
@@ -113,15 +123,26 @@ class TritonAllReduce:
         return ar.timeouts(self.buffer[: ar.FLAG_BYTES].view(torch.int32))
 
 
-def make_reducer(group: dist.ProcessGroup, device: torch.device,
-                 size: int) -> SymmetricAllReduce | TritonAllReduce | None:
-    """The reducer GRAPHEXEC_ALL_REDUCE asks for, on CUDA; else None (NCCL, or gloo on the
-    CPU)."""
-    if device.type != "cuda":
-        return None
+def pick(device: torch.device) -> str:
+    """Rank 0's choice for a new engine: GRAPHEXEC_ALL_REDUCE's kind on CUDA, NCCL (or gloo)
+    where a symmetric kind cannot run: on the CPU, or in a process that mapped a buffer
+    before (module docstring)."""
     kind = choice()
+    if device.type != "cuda" or (kind != "nccl" and _mapped_once):
+        return "nccl"
+    return kind
+
+
+def make_reducer(kind: str, group: dist.ProcessGroup, device: torch.device,
+                 size: int) -> SymmetricAllReduce | TritonAllReduce | None:
+    """The reducer of kind (pick's; every rank passes rank 0's), or None for the group's own
+    all-reduce (NCCL, or gloo on the CPU)."""
+    global _mapped_once
+    if kind not in CHOICES:
+        raise ValueError(f"all-reduce kind {kind!r}: expected one of {CHOICES}")
+    if kind == "nccl":
+        return None
+    _mapped_once = True
     if kind == "triton":
         return TritonAllReduce(group, device, size)
-    if kind == "symm_mem":
-        return SymmetricAllReduce(group, device, size)
-    return None
+    return SymmetricAllReduce(group, device, size)
