@@ -143,3 +143,7 @@ class EngineConfig:
             if first + tp > count:
                 raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices from "
                                  f"{self.device} on, this machine has {count}")
+        if tp > 1:
+            from .parallel import symmetric
+
+            symmetric.choice()  # a bad GRAPHEXEC_ALL_REDUCE fails here, before any worker starts

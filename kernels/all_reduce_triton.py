@@ -54,13 +54,11 @@ NUM_WARPS = 4
 # MAX_PROGRAMS * BLOCK elements goes to NCCL.
 MAX_PROGRAMS = 1024
 MAX_WORLD = 8
-# After the flags, one word counts the waits that gave up (timeout_s below).
-ERROR_WORD = MAX_PROGRAMS * MAX_WORLD
-FLAG_BYTES = (ERROR_WORD + 32) * 4
-# A peer that has not raised its flag by then is dead or hung: the wait gives up, counts it in
-# the error word and sums whatever the slot holds, so the kernel always ends and the host's
-# fault handling (parallel/workers.py) can report the worker and close the engine. The first
-# forward of a rank may wait for its peer's Triton compilation, hence the minute.
+FLAG_BYTES = MAX_PROGRAMS * MAX_WORLD * 4  # int32 flags; keeps the slots after it 16-aligned
+# A peer that has not raised its flag by then is dead or hung: the kernel traps, which fails
+# the CUDA context, so the engine raises at its next step instead of summing a stale slot (as
+# NCCL's watchdog ends a stuck collective). The first forward of a rank may wait for its
+# peer's Triton compilation, hence the minute.
 TIMEOUT_S = 60.0
 
 
@@ -85,6 +83,12 @@ def _now_ns(THREADS: tl.constexpr):
 
 
 @triton.jit
+def _trap():
+    tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _swap_when(ptr, expected, value, SEM: tl.constexpr, deadline, TIMED: tl.constexpr,
                THREADS: tl.constexpr):
     """Compare-and-swap expected -> value (system scope) until it succeeds; 1 if the deadline
@@ -95,15 +99,15 @@ def _swap_when(ptr, expected, value, SEM: tl.constexpr, deadline, TIMED: tl.cons
     while (seen != expected) & (late == 0):
         seen = tl.atomic_cas(ptr, expected, value, sem=SEM, scope="sys")
         if TIMED:
-            late = (_now_ns(THREADS) > deadline).to(tl.int32)
+            late = ((seen != expected) & (_now_ns(THREADS) > deadline)).to(tl.int32)
     return late
 
 
 @triton.jit
 def _one_shot_all_reduce_kernel(x_ptr, out_ptr, data_ptrs, flag_ptrs, n, slot_offset,
                                 timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                BLOCK: tl.constexpr, ERROR_WORD: tl.constexpr,
-                                TIMED: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr):
+                                BLOCK: tl.constexpr, TIMED: tl.constexpr,
+                                THREADS: tl.constexpr, PDL: tl.constexpr):
     # data_ptrs, flag_ptrs: int64 [WORLD], each rank's slot area and flag area as addresses
     # in this process (its own, and its peers' mapped over NVLink).
     pdl.prologue(PDL)
@@ -112,11 +116,6 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, data_ptrs, flag_ptrs, n, slot_of
     deadline = timeout_ns
     if TIMED:
         deadline += _now_ns(THREADS)
-        # After one wait gave up the group is broken: later calls give up at once rather than
-        # each waiting out its own timeout (a step makes dozens).
-        # (read with an atomic, so every thread sees the same count)
-        failed = tl.atomic_add(own_flags + ERROR_WORD, 0) > 0
-        deadline = tl.where(failed, 0, deadline)
     dtype = x_ptr.dtype.element_ty
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -137,7 +136,7 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, data_ptrs, flag_ptrs, n, slot_of
             late += _swap_when(own_flags + pid * WORLD + q, 1, 0, "acquire", deadline, TIMED,
                                THREADS)
     if late > 0:
-        tl.atomic_add(own_flags + ERROR_WORD, late)
+        _trap()
     tl.debug_barrier()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(WORLD):
@@ -163,7 +162,9 @@ class PeerBuffers:
 
 
 def fits(peers: PeerBuffers, x: torch.Tensor) -> bool:
-    return (x.is_contiguous() and x.numel() * x.element_size() <= peers.slot_bytes
+    """Whether x can go through the kernel: contiguous, not empty (an empty message would
+    exchange no flags, and the slots would no longer alternate), within a slot."""
+    return (x.is_contiguous() and 0 < x.numel() * x.element_size() <= peers.slot_bytes
             and triton.cdiv(x.numel(), BLOCK) <= MAX_PROGRAMS)
 
 
@@ -172,7 +173,7 @@ def one_shot_all_reduce(x: torch.Tensor, peers: PeerBuffers, slot: int,
     """The sum over the ranks of x (each rank calls it with its own x, at the same point of the
     same sequence of all-reduces), in a new tensor. slot: 0 or 1, alternating between
     consecutive calls (module docstring). timeout_s: how long a program waits for a peer
-    (TIMEOUT_S); waits that gave up are counted in the flag area (timeouts)."""
+    before it traps (TIMEOUT_S)."""
     if not fits(peers, x):
         raise ValueError(f"one_shot_all_reduce: {x.numel()} elements of {x.dtype} do not fit "
                          f"a {peers.slot_bytes}-byte slot")
@@ -184,12 +185,7 @@ def one_shot_all_reduce(x: torch.Tensor, peers: PeerBuffers, slot: int,
     _one_shot_all_reduce_kernel[(triton.cdiv(n, BLOCK),)](
         x, out, peers.data_ptrs, peers.flag_ptrs, n, slot * (peers.slot_bytes // x.element_size()),
         int(timeout_s * 1e9), RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK,
-        ERROR_WORD=ERROR_WORD, TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent,
+        TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent,
         num_warps=NUM_WARPS, launch_pdl=dependent)
     return out
 
-
-def timeouts(flags: torch.Tensor) -> int:
-    """How many waits gave up, from a rank's own flag area (int32, FLAG_BYTES // 4 words). A
-    host read: for fault reports and tests, never in a step."""
-    return int(flags[ERROR_WORD].item())

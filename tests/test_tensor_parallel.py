@@ -292,3 +292,6 @@ def test_the_all_reduce_kind_rank_0_picks(monkeypatch):
     with pytest.raises(ValueError, match="'custom'"):
         symmetric.make_reducer("custom", None, cpu, 2)
     assert symmetric.make_reducer("nccl", None, cpu, 2) is None
+    # an engine checks it before any worker starts (workers would wait for rank 0's pick)
+    with pytest.raises(ValueError, match="GRAPHEXEC_ALL_REDUCE='custom'"):
+        EngineConfig("tiny", device="cpu", tensor_parallel_size=2)

@@ -342,8 +342,8 @@ def test_model_kernels_compile(compiled, monkeypatch):
 def test_all_reduce_kernel_compiles_with_system_scope_flags(compiled, monkeypatch):
     """kernels/all_reduce_triton.py for sm_90: flags raised with a releasing and taken with an
     acquiring compare-and-swap at system scope (the peers are other GPUs), peers' slots read
-    past L1 in 16-byte loads, the deadline from the GPU's global timer, and nothing read or
-    written before the PDL wait."""
+    past L1 in 16-byte loads, the deadline from the GPU's global timer and the trap after it,
+    and nothing read or written before the PDL wait."""
     from graphexec.kernels import all_reduce_triton as ar
     from graphexec.kernels import pdl
 
@@ -355,9 +355,9 @@ def test_all_reduce_kernel_compiles_with_system_scope_flags(compiled, monkeypatc
     (name, kernel), = compiled
     assert name == "_one_shot_all_reduce_kernel" and kernel.metadata.launch_pdl
     ptx = kernel.asm["ptx"]
-    _before_wait(ptx)
+    assert not re.search(r"\bld\.global", _before_wait(ptx)), "a load before the PDL wait"
     for sem in ("release", "acquire"):
         cas = re.findall(rf"atom[.\w]*\.{sem}[.\w]*\.cas\b", ptx)
         assert cas and all(".sys" in c for c in cas), (sem, cas)
     assert re.search(r"ld\.global\.cv\.v4", ptx), "peer loads past L1, 16 bytes each"
-    assert "%globaltimer" in ptx
+    assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"

@@ -25,6 +25,9 @@ def _one_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
     shard = process_group.join_process_group(rank, size, device, store)
     try:
         conn.send(fn(shard, device, *args))
+        # CPU tensors in the result travel as shared memory that the receiver maps from this
+        # process: stay until the test has read every rank's result
+        conn.recv()
     finally:
         process_group.leave_process_group()
 
@@ -47,7 +50,10 @@ def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
         procs.append(p)
         conns.append(ours)
     try:
-        return [c.recv() for c in conns]
+        results = [c.recv() for c in conns]
+        for c in conns:
+            c.send(None)
+        return results
     finally:
         for p in procs:
             p.join(10)

@@ -78,7 +78,7 @@ class Shard:
         start, stop = self.bounds(t.shape[dim])
         return t.narrow(dim, start, stop - start).clone()
 
-    def all_reduce(self, t: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """Sums a row-parallel projection's partial outputs over the ranks: in place through
         NCCL or gloo, into a new tensor through the reducer. slot: 0 for o, 1 for down, so
         consecutive all-reduces alternate (kernels/all_reduce_triton.py)."""

@@ -20,13 +20,16 @@ GRAPHEXEC_ALL_REDUCE picks the implementation:
 
 One mapping a process: in a process that has mapped a symmetric buffer once, a second
 rendezvous (a second tensor-parallel engine whose workers are new processes) never completed
-on two H200s, with group names made unique too, so torch keeps some rendezvous state per
-process. Rank 0 therefore asks for the symmetric kinds only the first time (pick); later
-engines of the process use NCCL, and every rank follows rank 0's pick.
+on two H200s, with group names made unique too: torch's CUDA symmetric memory appears to number
+the store keys of its rendezvous with one counter per process (read in its source, not yet
+confirmed on a device), so rank 0 and a new worker wait on different keys. Rank 0 therefore
+asks for the symmetric kinds only the first time (pick); later engines of the process use NCCL,
+and every rank follows rank 0's pick.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -57,8 +60,10 @@ def _mapped(group: dist.ProcessGroup, device: torch.device, nbytes: int):
     from torch.distributed import _symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # a no-op or absent in newer torch; required in older
-        enable(group.group_name)
+    if enable is not None:  # deprecated from torch 2.11 (the group's store is used directly)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     return buffer, symm_mem.rendezvous(buffer, group.group_name)
 
@@ -74,7 +79,7 @@ class SymmetricAllReduce:
     def fits(self, t: torch.Tensor) -> bool:
         return t.is_contiguous() and t.numel() * t.element_size() <= self.max_bytes
 
-    def __call__(self, t: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor (t is only read). The copy into the mapped
         buffer happens inside the same kernel. slot: unused here."""
         staged = self.buffer.view(t.dtype)[: t.numel()].view_as(t)
@@ -88,39 +93,36 @@ class TritonAllReduce:
     then two slots of max_bytes."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
-        from ..kernels import all_reduce_triton as ar
+        from ..kernels import all_reduce_triton
 
-        self.max_bytes = 2 * ONE_SHOT_BYTES_AT_SIZE_2 // size
-        self.buffer, handle = _mapped(group, device, ar.FLAG_BYTES + 2 * self.max_bytes)
+        if size > all_reduce_triton.MAX_WORLD:
+            raise ValueError(f"GRAPHEXEC_ALL_REDUCE=triton serves at most "
+                             f"{all_reduce_triton.MAX_WORLD} ranks, got "
+                             f"tensor_parallel_size={size}")
+        self._kernel = all_reduce_triton
+        # a multiple of 256 bytes, so slot 1 starts as aligned as slot 0
+        self.max_bytes = (2 * ONE_SHOT_BYTES_AT_SIZE_2 // size) // 256 * 256
+        flag_bytes = all_reduce_triton.FLAG_BYTES
+        self.buffer, handle = _mapped(group, device, flag_bytes + 2 * self.max_bytes)
         bases = [int(p) for p in handle.buffer_ptrs]
-        self.peers = ar.PeerBuffers(
+        self.peers = all_reduce_triton.PeerBuffers(
             rank=dist.get_rank(group), world=size,
-            data_ptrs=torch.tensor([b + ar.FLAG_BYTES for b in bases], dtype=torch.int64,
+            data_ptrs=torch.tensor([b + flag_bytes for b in bases], dtype=torch.int64,
                                    device=device),
             flag_ptrs=torch.tensor(bases, dtype=torch.int64, device=device),
             slot_bytes=self.max_bytes)
         # Every flag down on every rank before any rank raises one.
-        self.buffer[: ar.FLAG_BYTES].zero_()
+        self.buffer[:flag_bytes].zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
     def fits(self, t: torch.Tensor) -> bool:
-        from ..kernels import all_reduce_triton as ar
+        return self._kernel.fits(self.peers, t)
 
-        return ar.fits(self.peers, t)
-
-    def __call__(self, t: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
         consecutive all-reduces (the model's o and down)."""
-        from ..kernels import all_reduce_triton as ar
-
-        return ar.one_shot_all_reduce(t, self.peers, slot)
-
-    def timeouts(self) -> int:
-        """Waits for a peer that gave up (the peer dead or hung); a host read."""
-        from ..kernels import all_reduce_triton as ar
-
-        return ar.timeouts(self.buffer[: ar.FLAG_BYTES].view(torch.int32))
+        return self._kernel.one_shot_all_reduce(t, self.peers, slot)
 
 
 def pick(device: torch.device) -> str:
