@@ -146,4 +146,4 @@ class EngineConfig:
         if tp > 1:
             from .parallel import symmetric
 
-            symmetric.choice()  # a bad GRAPHEXEC_ALL_REDUCE fails here, before any worker starts
+            symmetric.check(tp)  # a bad GRAPHEXEC_ALL_REDUCE fails here, before any worker

@@ -295,3 +295,7 @@ def test_the_all_reduce_kind_rank_0_picks(monkeypatch):
     # an engine checks it before any worker starts (workers would wait for rank 0's pick)
     with pytest.raises(ValueError, match="GRAPHEXEC_ALL_REDUCE='custom'"):
         EngineConfig("tiny", device="cpu", tensor_parallel_size=2)
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
+    with pytest.raises(ValueError, match="at most 8 ranks, got tensor_parallel_size=16"):
+        symmetric.check(16)
+    symmetric.check(8)

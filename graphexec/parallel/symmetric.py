@@ -54,6 +54,18 @@ def choice() -> str:
     return value
 
 
+def check(size: int) -> None:
+    """GRAPHEXEC_ALL_REDUCE valid for tensor_parallel_size=size, or a ValueError: checked when
+    the engine's config is built, before any worker starts."""
+    kind = choice()
+    if kind == "triton":
+        from ..kernels.all_reduce_triton import MAX_WORLD
+
+        if size > MAX_WORLD:
+            raise ValueError(f"GRAPHEXEC_ALL_REDUCE=triton serves at most {MAX_WORLD} ranks, "
+                             f"got tensor_parallel_size={size}")
+
+
 def _mapped(group: dist.ProcessGroup, device: torch.device, nbytes: int):
     """A buffer of nbytes that every rank of group maps, and its rendezvous handle. Every rank
     must call it at the same point (the rendezvous is a collective)."""
@@ -95,10 +107,7 @@ class TritonAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
         from ..kernels import all_reduce_triton
 
-        if size > all_reduce_triton.MAX_WORLD:
-            raise ValueError(f"GRAPHEXEC_ALL_REDUCE=triton serves at most "
-                             f"{all_reduce_triton.MAX_WORLD} ranks, got "
-                             f"tensor_parallel_size={size}")
+        check(size)
         self._kernel = all_reduce_triton
         # a multiple of 256 bytes, so slot 1 starts as aligned as slot 0
         self.max_bytes = (2 * ONE_SHOT_BYTES_AT_SIZE_2 // size) // 256 * 256
