@@ -367,8 +367,9 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             split_rows: int | None = None) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
     shapes, as for a batch of split_rows rows when given (a mixed step's decode part, whose
-    places are mostly inert rows that exit after one tile: capture/mixed.py). A row uses at most that many splits, and no more than one per min_tiles tiles of
-    its context (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
+    places are mostly inert rows that exit after one tile: capture/mixed.py). A row uses at
+    most that many splits, and no more than one per min_tiles tiles of its context
+    (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
     slot_mapping): q, k unrotated, and the new k, v written by the kernel
     (rope_decode_attention). invariant: tiles that do not depend on the batch."""
     b, hq, d = q.shape

@@ -1,5 +1,6 @@
-"""Shared by the tensor-parallel tests: a sharded forward on every rank (rank 0 in the test's
-process, the others spawned here), and engines compared request by request."""
+"""Shared by the tensor-parallel tests: a function on every rank, or an engine, in processes
+spawned here (never in the test's own: parallel/symmetric.py maps symmetric memory once a
+process), and the sharded forward's logits."""
 import torch
 import torch.multiprocessing as mp
 
@@ -16,8 +17,8 @@ def _rank_logits(models: list[str], shard, device: torch.device,
             .cpu() for m in models]
 
 
-def _one_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
-              device: torch.device) -> None:
+def _one_rank(rank: int, size: int, port: int, fn, args: tuple, device: torch.device,
+              conn) -> None:
     device = process_group.rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -32,33 +33,39 @@ def _one_rank(rank: int, size: int, port: int, fn, args: tuple, conn,
         process_group.leave_process_group()
 
 
+def _spawn(target, args: tuple, daemon: bool):
+    """target(*args, conn) in a new process; returns it and our end of the pipe. Our copy of
+    its end is closed, so its death without a reply ends our recv with EOFError."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    p = mp.get_context("spawn").Process(target=target, args=(*args, theirs), daemon=daemon)
+    p.start()
+    theirs.close()
+    return p, ours
+
+
+def _reap(procs: list, wait_s: float) -> None:
+    for p in procs:
+        p.join(wait_s)
+        if p.is_alive():
+            p.kill()
+
+
 def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
     """fn(shard, device, *args) on each of `size` ranks, each a process spawned here (gloo on
     the CPU, NCCL over `size` GPUs from `device` on): each rank's result, which must pickle. fn
     must be importable by name (a module-level function). Rank 0 runs in a new process too, not
     in the test's: a process maps symmetric memory for one engine only
     (parallel/symmetric.py), and every call here must get the all-reduce it asks for."""
-    ctx = mp.get_context("spawn")
     store = process_group.host_store(size)
-    procs, conns = [], []
-    for rank in range(size):
-        ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_one_rank, daemon=True,
-                        args=(rank, size, store.port, fn, args, theirs, device))
-        p.start()
-        theirs.close()  # a rank that dies without a result then ends recv with EOFError
-        procs.append(p)
-        conns.append(ours)
+    spawned = [_spawn(_one_rank, (rank, size, store.port, fn, args, device), daemon=True)
+               for rank in range(size)]
     try:
-        results = [c.recv() for c in conns]
-        for c in conns:
-            c.send(None)
+        results = [conn.recv() for _, conn in spawned]
+        for _, conn in spawned:
+            conn.send(None)
         return results
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        _reap([p for p, _ in spawned], 10)
 
 
 def _logits_as_arrays(shard, device: torch.device, models: list[str], dtype: torch.dtype):
@@ -73,7 +80,7 @@ def sharded_logits(models: list[str], size: int, device: torch.device = torch.de
     return [[torch.from_numpy(a) for a in arrays] for arrays in ranks]
 
 
-def _engine_in_a_process(conn, model: str, opts: dict, reqs: list) -> None:
+def _engine_in_a_process(model: str, opts: dict, reqs: list, conn) -> None:
     from graphexec import Engine
     from test_engine import run_engine
 
@@ -87,15 +94,9 @@ def engine_in_a_process(model: str, opts: dict, reqs: list) -> tuple:
     """run_engine(Engine(model, **opts), reqs) with the engine (rank 0) in a process of its
     own, so that it gets the all-reduce it asks for (tp_helpers.on_every_rank says why): its
     final outputs, its chain breaks, and its all-reduce's class (NoneType: the group's own)."""
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
     # not a daemon: the engine starts its own worker processes
-    p = ctx.Process(target=_engine_in_a_process, args=(theirs, model, opts, reqs))
-    p.start()
-    theirs.close()
+    p, conn = _spawn(_engine_in_a_process, (model, opts, reqs), daemon=False)
     try:
-        return ours.recv()
+        return conn.recv()
     finally:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
+        _reap([p], 30)
