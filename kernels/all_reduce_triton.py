@@ -1,37 +1,41 @@
-"""A one-shot all-reduce of a decode step's partial sums over symmetric memory, in Triton.
+"""A one-shot all-reduce of a decode step's partial sums over symmetric memory, in Triton: each
+rank pushes its partial into its peers' memory with a flag inside every 8-byte store (the scheme
+of NCCL's "LL", low-latency, protocol).
 
 Each rank's o and down projections return a partial sum of a few kilobytes (a hidden state per
-row) that the ranks must add up before the next norm. NCCL's all-reduce of such a message is
-all protocol and no data (about 6.6 us on two H100s), it launches as an ordinary kernel, so the
-kernel after it cannot start early, and HBM idles while it runs. This kernel:
+row) that the ranks must add up before the next norm. NCCL's all-reduce of such a message is all
+protocol and no data (about 6.6 us on two H100s), and it launches as an ordinary kernel, so the
+kernel after it cannot start early. This kernel launches as a programmatic dependent
+(kernels/pdl.py) and lets the next projection launch at once, so that projection fetches its
+first weight tiles during the exchange; and its only traffic over NVLink is stores, which need no
+answer:
 
-- launches as a programmatic dependent (kernels/pdl.py) and lets the next projection launch
-  as soon as it has started, so that projection fetches its first weight tiles during the
-  exchange;
-- copies this rank's partial into its slot of a buffer that every rank mapped (symmetric
-  memory: parallel/symmetric.py), raises a flag in each peer's flag area, waits for each
-  peer's flag in its own, and reads the peers' partials over NVLink (plain peer loads, no
-  multicast);
-- sums the ranks' parts in rank order in fp32 and rounds once, so every rank gets the same bits
-  (at two ranks, NCCL's bits too).
+- each program packs 4 bytes of its share of the partial with a 4-byte flag of 1 into one
+  8-byte word, and stores the words into its box in every peer's area (mapped symmetric memory,
+  parallel/symmetric.py; plain peer stores, no multicast);
+- it then polls its own area (local memory) until every word from every peer carries the flag,
+  adds the ranks' parts in rank order in fp32 and rounds once (every rank gets the same bits;
+  at two ranks, NCCL's bits too), and zeroes the words it read, which makes them "not arrived"
+  for the next use of the box.
 
-Tried and dropped: spare programs warming L2 with the next projection's weight during the
-exchange (kernels/l2_prefetch.py). On two H200s (llama-8b, 2026-11-26, docs/benchmarks.md
-"Tensor parallelism") 8 MiB made the batch-1 step slower (2.851 against 2.763 ms), and 2 or
-4 MiB were no faster than none (2.817 and 2.842 against 2.799 ms): the next projection,
-launched early, already fetches its first tiles during the exchange.
+An 8-byte store reaches the peer whole (NCCL's LL protocol relies on the same), so a word seen
+with its flag holds its data: no fence, no separate flag, no round trip. The price is twice the
+bytes on the link, which decode messages afford: on two H200s (llama-8b, 2026-11-26,
+docs/benchmarks.md "Tensor parallelism") the decode step took 2.626 ms at batch 1 and 3.447 ms at
+batch 64 against 2.760 / 3.552 with the kernel this one replaced (commit 9ae0fc1), which pulled:
+it raised a flag in each peer's memory with a compare-and-swap, whose answer must cross back,
+then read the peers' partials over NVLink, another round trip.
 
-Flags: program p of rank r raises flag [p, r] in every peer's area with a compare-and-swap of 0
-to 1 (release, system scope), and takes flag [p, q] in its own area for each peer q by swapping
-1 back to 0 (acquire). A rank that is a whole all-reduce ahead waits at the raise until the
-peer has taken the previous flag, so the flags need no epoch and a captured graph replays them
-as they are.
+Slots: a rank may leave use k of the kernel while a peer still polls, so use k + 1 writes the
+other slot. Before a rank can write slot s again (use k + 2) it must have received the peer's
+words of use k + 1, which the peer sent only after it had finished use k, zeroing included (the
+kernels of a stream complete in order): zeroed words are never overwritten early, and a word
+seen with its flag is always this use's. The model alternates the slots by site (o: 0, down: 1),
+in every forward and every graph alike, and a captured graph replays the kernel as it is.
 
-Slots: a rank may leave all-reduce k while a peer still reads its slot for k, so all-reduce k + 1
-writes the other slot; by all-reduce k + 2 the peer has raised its flag for k + 1, which it
-does only after finishing k (the kernels of a stream complete in order). The model alternates
-the slots by site (o: 0, down: 1), which holds across forwards and graphs alike, since every
-forward runs o, down, o, down, ...
+Deadline: a wait that outlasts timeout_s traps, which fails the CUDA context, so the engine
+raises at its next step instead of summing a stale box (as NCCL's watchdog ends a stuck
+collective). The clock is read only once a poll has found a word missing.
 """
 from __future__ import annotations
 
@@ -46,19 +50,17 @@ from . import pdl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Elements of the message each program exchanges: 4 KiB of bf16, two 16-byte loads per thread
-# and part, at four warps.
-BLOCK = 2048
+# 4-byte words of the message each program sends: 2 KiB of data, 4 KiB on the link per peer,
+# four words (two 16-byte stores) per thread at four warps.
+BLOCK = 512
 NUM_WARPS = 4
-# Flags in each rank's area: one per (program, rank) at most; a message of more than
-# MAX_PROGRAMS * BLOCK elements goes to NCCL.
-MAX_PROGRAMS = 1024
-MAX_WORLD = 8
-FLAG_BYTES = MAX_PROGRAMS * MAX_WORLD * 4  # int32 flags; keeps the slots after it 16-aligned
-# A peer that has not raised its flag by then is dead or hung: the kernel traps, which fails
-# the CUDA context, so the engine raises at its next step instead of summing a stale slot (as
-# NCCL's watchdog ends a stuck collective). The first forward of a rank may wait for its
-# peer's Triton compilation, hence the minute.
+MAX_WORLD = 8  # ranks: at most 8 GPUs share one NVLink domain of a host
+ARRIVED = 1 << 32  # the flag, in the high half of a word
+_ARRIVED = tl.constexpr(ARRIVED)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+              torch.float16: tl.float16}
+# A peer that has not pushed its words by then is dead or hung (module docstring). The first
+# forward of a rank may wait for its peer's Triton compilation, hence the minute.
 TIMEOUT_S = 60.0
 
 
@@ -68,6 +70,7 @@ def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
     for p in parts[1:]:
         total = total + p.float()
     return total.to(parts[0].dtype)
+
 
 
 @triton.jit
@@ -89,103 +92,122 @@ def _trap():
 
 
 @triton.jit
-def _swap_when(ptr, expected, value, SEM: tl.constexpr, deadline, TIMED: tl.constexpr,
-               THREADS: tl.constexpr):
-    """Compare-and-swap expected -> value (system scope) until it succeeds; 1 if the deadline
-    passed first, else 0. A scalar atomic runs in one thread and its result reaches all, so
-    every thread leaves the loop together."""
-    seen = tl.atomic_cas(ptr, expected, value, sem=SEM, scope="sys")
-    late = tl.full([], 0, tl.int32)
-    while (seen != expected) & (late == 0):
-        seen = tl.atomic_cas(ptr, expected, value, sem=SEM, scope="sys")
-        if TIMED:
-            late = ((seen != expected) & (_now_ns(THREADS) > deadline)).to(tl.int32)
-    return late
+def _halves(w, DTYPE: tl.constexpr):
+    """An int32 word of the message as fp32 values: two 16-bit elements (low, high), or one
+    fp32 element (then high is 0)."""
+    if DTYPE == tl.float32:
+        lo = w.to(tl.float32, bitcast=True)
+        hi = tl.zeros(w.shape, tl.float32)
+    else:
+        lo = w.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
-def _one_shot_all_reduce_kernel(x_ptr, out_ptr, data_ptrs, flag_ptrs, n, slot_offset,
-                                timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                BLOCK: tl.constexpr, TIMED: tl.constexpr,
-                                THREADS: tl.constexpr, PDL: tl.constexpr):
-    # data_ptrs, flag_ptrs: int64 [WORLD], each rank's slot area and flag area as addresses
-    # in this process (its own, and its peers' mapped over NVLink).
+def _word(lo, hi, DTYPE: tl.constexpr):
+    """_halves' inverse, rounding each fp32 sum to DTYPE once."""
+    if DTYPE == tl.float32:
+        word = lo.to(tl.int32, bitcast=True)
+    else:
+        lo_bits = lo.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi_bits = hi.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32)
+        word = (hi_bits << 16) | lo_bits
+    return word
+
+
+@triton.jit
+def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_words,
+                          timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
+                          DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
+                          THREADS: tl.constexpr, PDL: tl.constexpr):
+    # x_ptr, out_ptr: the message as int32 words; area_ptrs: int64 [WORLD], each rank's area
+    # as an address in this process (its own, and its peers' mapped over NVLink). A rank's
+    # area holds two slots of WORLD boxes of source_words 8-byte words, box q for rank q.
     pdl.prologue(PDL)
     pid = tl.program_id(0)
-    own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    deadline = timeout_ns
-    if TIMED:
-        deadline += _now_ns(THREADS)
-    dtype = x_ptr.dtype.element_ty
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    mine = tl.load(x_ptr + offs, mask=ok)
-    # the slots are 16-byte aligned: let the copies be vector loads and stores
-    own = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)), 16)
-    tl.store(own + slot_offset + offs, mine, mask=ok)
-    # every thread's store before the flag that publishes them
-    tl.debug_barrier()
+    ok = offs < n_words
+    words = tl.load(x_ptr + offs, mask=ok, other=0)
+    packed = (words.to(tl.int64) & 0xFFFFFFFF) | _ARRIVED
+    for q in tl.static_range(WORLD):
+        if q != RANK:
+            # the areas are 16-byte aligned: two words to a store, never one torn in two
+            peer = tl.multiple_of(tl.load(area_ptrs + q).to(tl.pointer_type(tl.int64)), 16)
+            tl.store(peer + slot_words + RANK * source_words + offs, packed, mask=ok)
+    own = tl.multiple_of(tl.load(area_ptrs + RANK).to(tl.pointer_type(tl.int64)), 16)
+    lo_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    hi_sum = tl.zeros([BLOCK], dtype=tl.float32)
     late = tl.full([], 0, tl.int32)
     for q in tl.static_range(WORLD):
-        if q != RANK:
-            peer_flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
-            late += _swap_when(peer_flags + pid * WORLD + RANK, 0, 1, "release", deadline, TIMED,
-                               THREADS)
-    for q in tl.static_range(WORLD):
-        if q != RANK:
-            late += _swap_when(own_flags + pid * WORLD + q, 1, 0, "acquire", deadline, TIMED,
-                               THREADS)
+        if q == RANK:
+            w = words
+        else:
+            box = own + slot_words + q * source_words + offs
+            got = tl.load(box, mask=ok, other=_ARRIVED, volatile=True)
+            deadline = tl.full([], 0, tl.int64)
+            # a reduction over the program: every thread sees the same answer, so all its
+            # warps leave the loop together
+            while (tl.min((got >> 32).to(tl.int32), axis=0) == 0) & (late == 0):
+                got = tl.load(box, mask=ok, other=_ARRIVED, volatile=True)
+                if TIMED:
+                    now = _now_ns(THREADS)
+                    deadline = tl.where(deadline == 0, now + timeout_ns, deadline)
+                    late = (now > deadline).to(tl.int32)
+            # read: the box is "not arrived" again for the slot's next use
+            tl.store(box, tl.zeros([BLOCK], tl.int64), mask=ok)
+            w = got.to(tl.int32)
+        lo, hi = _halves(w, DTYPE)
+        lo_sum += lo
+        hi_sum += hi
     if late > 0:
         _trap()
-    tl.debug_barrier()
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
-        if q == RANK:
-            acc += mine.to(tl.float32)
-        else:
-            peer = tl.multiple_of(tl.load(data_ptrs + q).to(tl.pointer_type(dtype)), 16)
-            # .cv: a peer's slot changes between calls; never serve it from a stale L1 line
-            acc += tl.load(peer + slot_offset + offs, mask=ok, cache_modifier=".cv").to(
-                tl.float32)
-    tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
+    tl.store(out_ptr + offs, _word(lo_sum, hi_sum, DTYPE), mask=ok)
 
 
 @dataclass(frozen=True)
-class PeerBuffers:
-    """This rank's view of every rank's symmetric buffer: where each one's two slots and its
-    flags are, as addresses valid in this process."""
+class PeerAreas:
+    """This rank's view of every rank's area: where each one starts, as addresses valid in
+    this process, and how many message words a box holds."""
     rank: int
     world: int
-    data_ptrs: torch.Tensor  # int64 [world], on the device the kernel runs on
-    flag_ptrs: torch.Tensor  # int64 [world]
-    slot_bytes: int
+    area_ptrs: torch.Tensor  # int64 [world], on the device the kernel runs on
+    max_words: int
+
+    @staticmethod
+    def area_bytes(world: int, max_words: int) -> int:
+        """Bytes of one rank's area: two slots of world boxes of 8-byte words."""
+        return 2 * world * max_words * 8
 
 
-def fits(peers: PeerBuffers, x: torch.Tensor) -> bool:
-    """Whether x can go through the kernel: contiguous, not empty (an empty message would
-    exchange no flags, and the slots would no longer alternate), within a slot."""
-    return (x.is_contiguous() and 0 < x.numel() * x.element_size() <= peers.slot_bytes
-            and triton.cdiv(x.numel(), BLOCK) <= MAX_PROGRAMS)
+def fits(areas: PeerAreas, x: torch.Tensor) -> bool:
+    """Whether x can go through the kernel: a dtype it sums, contiguous, whole 4-byte words,
+    not empty (an empty message would send no words, and the slots would no longer alternate),
+    within a box."""
+    nbytes = x.numel() * x.element_size()
+    return (x.dtype in _TL_DTYPES and x.is_contiguous() and nbytes % 4 == 0
+            and 0 < nbytes // 4 <= areas.max_words)
 
 
-def one_shot_all_reduce(x: torch.Tensor, peers: PeerBuffers, slot: int,
-                        timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
+               timeout_s: float = TIMEOUT_S) -> torch.Tensor:
     """The sum over the ranks of x (each rank calls it with its own x, at the same point of the
     same sequence of all-reduces), in a new tensor. slot: 0 or 1, alternating between
     consecutive calls (module docstring). timeout_s: how long a program waits for a peer
-    before it traps (TIMEOUT_S)."""
-    if not fits(peers, x):
-        raise ValueError(f"one_shot_all_reduce: {x.numel()} elements of {x.dtype} do not fit "
-                         f"a {peers.slot_bytes}-byte slot")
+    before it traps."""
+    if not fits(areas, x):
+        raise ValueError(f"all_reduce: {x.numel()} elements of {x.dtype} do not fit "
+                         f"{areas.max_words} 4-byte words")
     if slot not in (0, 1):
-        raise ValueError(f"one_shot_all_reduce: slot={slot} must be 0 or 1")
+        raise ValueError(f"all_reduce: slot={slot} must be 0 or 1")
     out = torch.empty_like(x)
-    n = x.numel()
+    n_words = x.numel() * x.element_size() // 4
+    source_words = areas.max_words
     dependent = pdl.enabled(x, projection=False)
-    _one_shot_all_reduce_kernel[(triton.cdiv(n, BLOCK),)](
-        x, out, peers.data_ptrs, peers.flag_ptrs, n, slot * (peers.slot_bytes // x.element_size()),
-        int(timeout_s * 1e9), RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK,
+    _all_reduce_kernel[(triton.cdiv(n_words, BLOCK),)](
+        x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), areas.area_ptrs, n_words,
+        slot * areas.world * source_words, source_words, int(timeout_s * 1e9),
+        RANK=areas.rank, WORLD=areas.world, DTYPE=_TL_DTYPES[x.dtype], BLOCK=BLOCK,
         TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent,
         num_warps=NUM_WARPS, launch_pdl=dependent)
     return out
-

@@ -1,9 +1,9 @@
 """kernels/all_reduce_triton.py against its reference (the rank-order fp32 sum, rounded once),
-with the ranks' buffers in one device's memory: one rank at a time (its peer's half of the
-exchange staged by hand), and on CUDA a rank whose peer never comes. Two ranks at once run in
-the two-GPU tests (tests/test_gpu_tensor_parallel.py), over NVLink, eager and in graphs: on
-one GPU, a rank's host launch can wait for the device (a module load, a cudaMalloc) while the
-device waits for the other rank's launch, which a test cannot rule out."""
+with the ranks' areas in one device's memory, one rank at a time: its peer's pushed words staged
+by hand. Two ranks at once run in the two-GPU tests (tests/test_gpu_tensor_parallel.py), over
+NVLink, eager and in graphs: on one GPU, a rank's host launch can wait for the device (a module
+load, a cudaMalloc) while the device waits for the other rank's launch, which a test cannot rule
+out."""
 import pytest
 import torch
 
@@ -12,33 +12,33 @@ from kernel_helpers import CPU_MODE, DEV, RUNNABLE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not RUNNABLE, reason="needs Triton")]
 
-SLOT_BYTES = 64 * 1024
+MAX_WORDS = 8192
 # The interpreter rounds fp32 to bf16 by truncation; its bf16 is not the GPU's.
 DTYPES = [torch.float32, torch.float16] + ([] if CPU_MODE else [torch.bfloat16])
 
 
-class Ranks:
-    """world ranks' buffers (flag area, two slots) in this device's memory, and each rank's
-    view of them."""
+class Areas:
+    """world ranks' LL areas in this device's memory, and each rank's view of them."""
 
     def __init__(self, world: int):
         self.world = world
-        self.buffers = [torch.zeros(ar.FLAG_BYTES + 2 * SLOT_BYTES, dtype=torch.uint8,
-                                    device=DEV) for _ in range(world)]
-        bases = [b.data_ptr() for b in self.buffers]
-        self.data_ptrs = torch.tensor([b + ar.FLAG_BYTES for b in bases], dtype=torch.int64,
-                                      device=DEV)
-        self.flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=DEV)
+        self.areas = [torch.zeros(ar.PeerAreas.area_bytes(world, MAX_WORDS) // 8,
+                                  dtype=torch.int64, device=DEV) for _ in range(world)]
+        self.ptrs = torch.tensor([a.data_ptr() for a in self.areas], dtype=torch.int64,
+                                 device=DEV)
 
-    def peers(self, rank: int) -> ar.PeerBuffers:
-        return ar.PeerBuffers(rank, self.world, self.data_ptrs, self.flag_ptrs, SLOT_BYTES)
+    def buffers(self, rank: int) -> ar.PeerAreas:
+        return ar.PeerAreas(rank, self.world, self.ptrs, MAX_WORDS)
 
-    def flags(self, rank: int) -> torch.Tensor:
-        return self.buffers[rank][: ar.FLAG_BYTES].view(torch.int32)
+    def box(self, rank: int, slot: int, source: int) -> torch.Tensor:
+        """The words rank `source` pushes into rank `rank`'s area for `slot`."""
+        start = (slot * self.world + source) * MAX_WORDS
+        return self.areas[rank][start: start + MAX_WORDS]
 
-    def slot(self, rank: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        start = ar.FLAG_BYTES + slot * SLOT_BYTES
-        return self.buffers[rank][start: start + SLOT_BYTES].view(dtype)
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """x's bytes as int32 words, each widened to int64 as the kernel packs it (flag 0)."""
+    return x.view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
 def _parts(world: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -47,48 +47,50 @@ def _parts(world: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tens
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,slot", [(7, 0), (5000, 1), (4096, 0)])
+@pytest.mark.parametrize("n,slot", [(2, 0), (5000, 1), (4096, 0)])
 def test_one_rank_at_a_time(dtype, n, slot):
-    """Rank 0 runs with rank 1's half staged (its part in rank 1's slot, its flags raised in
-    rank 0's area), then rank 1 runs for real against what rank 0 left. Both get the
-    reference's bits; rank 0 raised exactly one flag per program in rank 1's area, rank 1 took
-    them all, and rank 0 took the staged ones."""
-    ranks = Ranks(2)
+    """Rank 0 runs with rank 1's words staged in its area, then rank 1 runs for real on the
+    words rank 0 pushed. Both get the reference's bits; each pushed exactly its message with
+    the flag up into the other's box of this slot, touched nothing of the other slot, and left
+    its own box zeroed (not arrived) for the slot's next use."""
+    areas = Areas(2)
     x = _parts(2, n, dtype, seed=n + slot)
-    programs = -(-n // ar.BLOCK)
-    ranks.slot(1, slot, dtype)[:n] = x[1]
-    ranks.flags(0)[1: 2 * programs: 2] = 1
-    out0 = ar.one_shot_all_reduce(x[0], ranks.peers(0), slot, timeout_s=30)
-    raised = ranks.flags(1)[: 2 * programs + 2].cpu()
-    assert raised[0: 2 * programs: 2].tolist() == [1] * programs
-    assert raised[1::2].tolist() == [0] * (programs + 1) and raised[2 * programs] == 0
-    assert ranks.flags(0)[: 2 * programs].cpu().tolist() == [0] * (2 * programs)
-    # rank 0's part is in its slot for rank 1 to read
-    assert torch.equal(ranks.slot(0, slot, dtype)[:n], x[0])
-    out1 = ar.one_shot_all_reduce(x[1], ranks.peers(1), slot, timeout_s=30)
+    words = x[0].numel() * x[0].element_size() // 4
+    areas.box(0, slot, 1)[:words] = _words(x[1]) | ar.ARRIVED
+    out0 = ar.all_reduce(x[0], areas.buffers(0), slot, timeout_s=30)
+    pushed = areas.box(1, slot, 0)
+    assert torch.equal(pushed[:words], _words(x[0]) | ar.ARRIVED)
+    assert not pushed[words:].any() and not areas.box(0, slot, 1).any()
+    out1 = ar.all_reduce(x[1], areas.buffers(1), slot, timeout_s=30)
     want = ar.all_reduce_ref(x)
     assert torch.equal(out0, want) and torch.equal(out1, want)
-    assert ranks.flags(1)[: 2 * programs].cpu().tolist() == [0] * (2 * programs)
-    # rank 1's own raises wait in rank 0's area (staged ones were taken: these are new)
-    assert ranks.flags(0)[1: 2 * programs: 2].cpu().tolist() == [1] * programs
+    assert not areas.box(1, slot, 0).any()
+    assert torch.equal(areas.box(0, slot, 1)[:words], _words(x[1]) | ar.ARRIVED)
+    for rank in range(2):  # a rank's own box of its own area is never written
+        for s in range(2):
+            assert not areas.box(rank, s, rank).any()
+        assert not areas.box(rank, 1 - slot, 1 - rank).any()
 
 
-def test_a_message_too_large_or_a_bad_slot_is_refused():
-    ranks = Ranks(2)
-    big = torch.zeros(SLOT_BYTES // 4 + 1, dtype=torch.float32, device=DEV)
-    assert not ar.fits(ranks.peers(0), big)
-    assert not ar.fits(ranks.peers(0), big[:0])  # no flags would cross: the slots would skew
+def test_a_message_of_the_wrong_shape_or_a_bad_slot_is_refused():
+    areas = Areas(2)
+    big = torch.zeros(MAX_WORDS + 1, dtype=torch.float32, device=DEV)
+    odd = torch.zeros(3, dtype=torch.float16, device=DEV)  # 6 bytes: not whole words
+    assert not ar.fits(areas.buffers(0), big)
+    assert not ar.fits(areas.buffers(0), odd)
+    assert not ar.fits(areas.buffers(0), big[:0])  # no words would cross: the slots would skew
+    assert not ar.fits(areas.buffers(0), big[:8].to(torch.int32))
     with pytest.raises(ValueError, match="do not fit"):
-        ar.one_shot_all_reduce(big, ranks.peers(0), 0)
+        ar.all_reduce(big, areas.buffers(0), 0)
     with pytest.raises(ValueError, match="slot=2"):
-        ar.one_shot_all_reduce(big[:8], ranks.peers(0), 2)
+        ar.all_reduce(big[:8], areas.buffers(0), 2)
 
 
 def _wait_for_a_peer_that_never_comes(conn) -> None:
-    ranks = Ranks(2)
+    areas = Areas(2)
     x = _parts(2, 4096, torch.bfloat16, seed=1)
     try:
-        ar.one_shot_all_reduce(x[0], ranks.peers(0), 0, timeout_s=0.2)
+        ar.all_reduce(x[0], areas.buffers(0), 0, timeout_s=0.2)
         torch.cuda.synchronize()
         conn.send("no error")
     except RuntimeError as e:  # the trap: the context fails
@@ -97,9 +99,8 @@ def _wait_for_a_peer_that_never_comes(conn) -> None:
 
 @pytest.mark.skipif(CPU_MODE, reason="the deadline reads the GPU's clock")
 def test_a_peer_that_never_comes_fails_the_context_instead_of_hanging():
-    """After its deadline the kernel traps: the CUDA context fails and the host's next wait
-    raises, so a dead or hung peer can neither hang the device nor leave stale sums. (In a
-    process of its own: the failed context cannot run anything after.)"""
+    """Past its deadline the kernel traps: the CUDA context fails and the host's next wait
+    raises. (In a process of its own: the failed context cannot run anything after.)"""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

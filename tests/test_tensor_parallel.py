@@ -106,6 +106,20 @@ def test_llama_70b_preset_splits_over_8():
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (8, 1, 3584)
 
 
+def test_presets_count_the_published_parameters_and_stream_all_but_an_untied_embedding():
+    """The counts the bench's rooflines rest on: the published totals of Llama 3.1 8B / 70B and
+    Llama 3.2 1B (their model cards), and per step every weight but an untied embedding table,
+    whose rows a step reads one per token (a tied one is the LM head, read whole)."""
+    published = {"llama-8b": 8_030_261_248, "llama-70b": 70_553_706_496,
+                 "llama-1b": 1_235_814_400}
+    for name, total in published.items():
+        mc = preset(name)
+        assert mc.num_parameters() == total, name
+        embed = 0 if mc.tie_word_embeddings else 128256 * mc.hidden_size
+        assert mc.streamed_parameters() == total - embed, name
+    assert preset("llama-1b").tie_word_embeddings and not preset("llama-8b").tie_word_embeddings
+
+
 # -- weights ----------------------------------------------------------------------------------
 
 
@@ -278,7 +292,7 @@ def test_the_all_reduce_kind_rank_0_picks(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(symmetric, "_mapped_once", False)
     monkeypatch.delenv("GRAPHEXEC_ALL_REDUCE", raising=False)
-    assert symmetric.pick(cuda) == "nccl"
+    assert symmetric.pick(cuda) == "triton" and symmetric.pick(cpu) == "nccl"
     for kind in ("triton", "symm_mem", "nccl"):
         monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", kind)
         assert symmetric.pick(cuda) == kind

@@ -339,25 +339,25 @@ def test_model_kernels_compile(compiled, monkeypatch):
         assert _weight_loads(kernel)[1] <= allowed, (name, _weight_loads(kernel))
 
 
-def test_all_reduce_kernel_compiles_with_system_scope_flags(compiled, monkeypatch):
-    """kernels/all_reduce_triton.py for sm_90: flags raised with a releasing and taken with an
-    acquiring compare-and-swap at system scope (the peers are other GPUs), peers' slots read
-    past L1 in 16-byte loads, the deadline from the GPU's global timer and the trap after it,
-    and nothing read or written before the PDL wait."""
+def test_all_reduce_kernel_compiles_to_wide_pushes_and_volatile_polls(compiled, monkeypatch):
+    """kernels/all_reduce_triton.py for sm_90: the words go to the peer in 16-byte stores
+    (two whole 8-byte words each: a word must never tear), the polls read past every cache
+    (volatile), the deadline and trap are there, nothing is read or written before the PDL
+    wait, and no atomic or fence waits on the link."""
     from graphexec.kernels import all_reduce_triton as ar
     from graphexec.kernels import pdl
 
     monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
-    slot = 1 << 20
-    peers = ar.PeerBuffers(0, 2, torch.zeros(2, dtype=torch.int64),
-                           torch.zeros(2, dtype=torch.int64), slot)
-    ar.one_shot_all_reduce(_bf16(1, 4096), peers, 0)
+    areas = ar.PeerAreas(0, 2, torch.zeros(2, dtype=torch.int64), 1 << 20)
+    ar.all_reduce(torch.zeros(1, 4096, dtype=torch.float32), areas, 1)
+    (name, _), = compiled  # fp32 messages too: one element a word
+    compiled.clear()
+    ar.all_reduce(_bf16(1, 4096), areas, 0)
     (name, kernel), = compiled
-    assert name == "_one_shot_all_reduce_kernel" and kernel.metadata.launch_pdl
+    assert name == "_all_reduce_kernel" and kernel.metadata.launch_pdl
     ptx = kernel.asm["ptx"]
-    assert not re.search(r"\bld\.global", _before_wait(ptx)), "a load before the PDL wait"
-    for sem in ("release", "acquire"):
-        cas = re.findall(rf"atom[.\w]*\.{sem}[.\w]*\.cas\b", ptx)
-        assert cas and all(".sys" in c for c in cas), (sem, cas)
-    assert re.search(r"ld\.global\.cv\.v4", ptx), "peer loads past L1, 16 bytes each"
+    assert not re.search(r"\b(ld|st)\.global", _before_wait(ptx)), "memory before the PDL wait"
+    assert re.search(r"st\.global\.v2\.b64", ptx), "16-byte pushes of whole words"
+    assert re.search(r"ld\.volatile\.global", ptx), "polls that re-read memory"
+    assert not re.search(r"\b(atom|red|membar|fence)\.", ptx), "a round trip on the link"
     assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"

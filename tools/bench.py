@@ -68,13 +68,15 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def weight_bytes_per_rank(mc, tp: int) -> int:
-    """bf16 bytes of weights one rank counts per step: its share of the layers, its share of
-    the LM head (split by vocabulary when tp divides it, as model/shard.py does), and the rest
-    (embedding, norms) whole, as at tp 1."""
+    """bf16 bytes of weights one rank reads per step: its share of the layers, its share of
+    the LM head (split by vocabulary when tp divides it, as model/shard.py does), and the norms
+    whole. An untied embedding table is not counted: a step reads only its batch's rows of it
+    (until 2026-11-26 the table was counted whole, which put llama-8b's rooflines 1.05 GB, about
+    0.25 ms on an H200, too high)."""
     layers = mc.num_layers * (
         mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size
         + 3 * mc.hidden_size * mc.intermediate_size)
-    replicated = mc.num_parameters() - layers
+    replicated = mc.streamed_parameters() - layers
     if tp > 1 and mc.vocab_size % tp == 0:
         head = mc.vocab_size * mc.hidden_size  # tied or not, the head streams this much
         replicated -= head - head // tp

@@ -383,7 +383,7 @@ def bench_forward(model: str = "llama-1b", batch: int = 1, context: int = 192,
         out["logits"] = eng.model.compute_logits(eng.model.forward(ids, positions, attn, eng.kv))
     us = _graph_time_us(forward, reps=20)
     assert torch.isfinite(out["logits"].float()).all(), "forward produced non-finite logits"
-    nbytes = mc.num_parameters() * 2 + batch * context * kv_bytes_per_block(
+    nbytes = mc.streamed_parameters() * 2 + batch * context * kv_bytes_per_block(
         mc, bs, torch.bfloat16) / bs
     roofline_us = nbytes / (copy_gbps * 1e9) * 1e6
     llm.close()

@@ -4,6 +4,7 @@ with their own weights (so nothing is served from L2) replayed from one CUDA gra
 decode step chains them.
 
     python tools/tune_fused.py --model llama-1b --batches 16 64
+    python tools/tune_fused.py --model llama-8b --tp 2 --batches 64   # one rank's shapes
 
 Per kind (o and down with the residual in their epilogue, gate_up with silu * mul in its, qkv
 plain) the candidate configs in microseconds per layer, against the cuBLAS kernels they
@@ -68,18 +69,23 @@ def main() -> None:
                     help="the chain again with L2 prefetch of the next weight, these MiB")
     ap.add_argument("--kinds", nargs="+", default=None,
                     help="only these kinds (qkv add_o silu add_down, lm_head with --wide)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="the shapes one rank of this tensor_parallel_size runs")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     h, qkv_n, inter, vocab = SHAPES[args.model]
+    # one rank's shapes (model/shard.py): o's and down's inputs split, qkv and gate_up outputs
+    att_k, qkv_n = h // args.tp, qkv_n // args.tp
+    inter, vocab = inter // args.tp, vocab // args.tp
     dt, dev = torch.bfloat16, "cuda"
     rnd = lambda *s: torch.randn(*s, dtype=dt, device=dev) * s[-1] ** -0.5
-    w = [dict(qkv=rnd(qkv_n, h), o=rnd(h, h), gate_up=rnd(2 * inter, h), down=rnd(h, inter),
+    w = [dict(qkv=rnd(qkv_n, h), o=rnd(h, att_k), gate_up=rnd(2 * inter, h), down=rnd(h, inter),
               n1=torch.ones(h, dtype=dt, device=dev), n2=torch.ones(h, dtype=dt, device=dev))
          for _ in range(LAYERS)]
     results = []
     for m in args.batches:
         x, res = rnd(m, h), rnd(m, h)
-        att, act = rnd(m, h), rnd(m, inter)
+        att, act = rnd(m, att_k), rnd(m, inter)
         ops = {  # kind -> fn(layer, config)
             "qkv": lambda i, c: lt.linear(x, w[i]["qkv"], config=c),
             "add_o": lambda i, c: lf.linear_add(att, w[i]["o"], res, config=c),

@@ -3,6 +3,7 @@ kernels/linear_triton.py against cuBLAS (F.linear), per model shape and batch, a
 decode step: inside a CUDA graph, over enough weight copies that nothing is served from L2.
 
     python tools/tune_linear.py --models llama-1b llama-8b --batches 1 16 64 --out out/
+    python tools/tune_linear.py --models llama-8b --tp 2 --batches 64   # one rank's shapes
 
 Prints, per (shape, M), cuBLAS and the best configs with their fraction of copy bandwidth, and
 what the fused RMSNorm and silu * mul prologues cost; writes everything to tune_linear.json.
@@ -33,10 +34,12 @@ SHAPES = {  # name -> (hidden, q+2kv, intermediate, vocab)
 L2_DEFEAT_BYTES = 400 * 2**20
 
 
-def projections(model: str) -> dict[str, tuple[int, int]]:
+def projections(model: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection one rank of tensor_parallel_size tp runs (model/shard.py: qkv,
+    gate_up and the LM head split by output rows, o and down by input columns)."""
     h, qkv, inter, vocab = SHAPES[model]
-    return {"qkv": (qkv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter),
-            "lm_head": (vocab, h)}
+    return {"qkv": (qkv // tp, h), "o": (h, h // tp), "gate_up": (2 * inter // tp, h),
+            "down": (h, inter // tp), "lm_head": (vocab // tp, h)}
 
 
 def candidates(m: int) -> list[lt.LinearConfig]:
@@ -94,6 +97,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="the shapes one rank of this tensor_parallel_size runs")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PROJ",
+                    help="just these projections (qkv o gate_up down lm_head)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -108,14 +115,17 @@ def main() -> None:
             json.dump(dict(copy_bandwidth=bw, device=torch.cuda.get_device_name(),
                            results=results), f, indent=1)
     for model in args.models:
-        for name, (n, k) in projections(model).items():
+        for name, (n, k) in projections(model, args.tp).items():
+            if args.only and name not in args.only:
+                continue
             nbytes = n * k * 2
             copies = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
             ws = [torch.randn(n, k, device="cuda", dtype=dt) * k ** -0.5 for _ in range(copies)]
             for m in args.batches:
                 x = torch.randn(m, k, device="cuda", dtype=dt)
                 floor = (nbytes + m * (k + n) * 2) / bw
-                row = dict(model=model, proj=name, m=m, n=n, k=k, floor_us=floor * 1e6)
+                row = dict(model=model, tp=args.tp, proj=name, m=m, n=n, k=k,
+                           floor_us=floor * 1e6)
                 row["cublas_us"] = time_graph(lambda i: F.linear(x, ws[i]), copies) * 1e6
                 timed = []
                 for cfg in candidates(m):

@@ -66,6 +66,12 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * per_layer + embed + head + self.hidden_size
 
+    def streamed_parameters(self) -> int:
+        """The parameters a decode step reads whole: all but an untied embedding table, of
+        which it reads only the batch's rows (a tied one is read whole as the LM head)."""
+        untied_embed = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_parameters() - untied_embed
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []

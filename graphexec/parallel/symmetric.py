@@ -3,17 +3,17 @@
 An NCCL all-reduce of a few kilobytes costs about as much as one of a megabyte: the time goes to
 its protocol, not to moving data, and a llama-8b step at tensor_parallel_size 2 makes 64 of
 them. Symmetric memory is a buffer every rank mapped at start-up (over NVLink), so a kernel can
-read its peers' copies directly: one kernel, no host work, captured in a CUDA graph like any
-other. A one-shot kernel reads every peer's whole message, so it suits small messages; larger
-ones (prefill chunks) keep NCCL. No NVLink multicast is involved.
+write into its peers' buffers directly: one kernel, no host work, captured in a CUDA graph like
+any other. A one-shot kernel sends its whole message to every peer, so it suits small messages;
+larger ones (prefill chunks) keep NCCL. No NVLink multicast is involved.
 
 GRAPHEXEC_ALL_REDUCE picks the implementation:
-  "nccl" (the default): the group's NCCL all-reduce;
-  "triton": ours (kernels/all_reduce_triton.py), launched as a programmatic dependent, so the
-      next projection fetches its first weight tiles during the exchange; on two H200s
-      (llama-8b, 2026-11-26) it made the size-2 decode step 8.7% shorter at batch 1 and 9.0% at
-      batch 64 than NCCL. Not the default yet: its graph-replay and engine tests on two GPUs
-      have not run to the end (docs/benchmarks.md, "Tensor parallelism");
+  "triton" (the default): ours (kernels/all_reduce_triton.py), launched as a programmatic
+      dependent, so the next projection fetches its first weight tiles during the exchange, and
+      pushing each rank's partial to its peers with the flag inside every word: on two H200s
+      (llama-8b, 2026-11-26, docs/benchmarks.md "Tensor parallelism") the size-2 decode step
+      took 2.626 ms at batch 1 and 3.447 ms at batch 64, against 3.076 / 3.960 with NCCL;
+  "nccl": the group's NCCL all-reduce;
   "symm_mem": torch's one_shot_all_reduce (on two H100s, llama-8b, 2026-11-25, about 9 us an
       all-reduce at batch 1, the wait for the other rank included; the step no faster than
       with NCCL: 3.60 against 3.54 ms, 5.01 against 4.94 ms at batch 64).
@@ -34,15 +34,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-# One-shot reads (size - 1) whole peer buffers: cheap for two ranks at any decode batch, worse
-# than NCCL's ring for large messages on many ranks. Above this size a message goes to NCCL.
-# Measured at size 2 only (docs/benchmarks.md, "Tensor parallelism"); the split for more ranks
-# is a guess.
+# The one-shot kernel sends its whole message to each of the (size - 1) peers: cheap for two
+# ranks at any decode batch, worse than NCCL's ring for large messages on many ranks. Above
+# this size a message goes to NCCL. On two H200s (tools/bench_all_reduce.py, 2026-11-26) the
+# kernel took 2.0 us at 8 KiB, 5.0 at 512 KiB and 26.1 at 4 MiB against NCCL's 16.3, 22.6 and
+# 47.7 in the same graphs. Measured at size 2 only; the split for more ranks is a guess.
 ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
 
 
 CHOICES = ("nccl", "triton", "symm_mem")
-DEFAULT = "nccl"
+DEFAULT = "triton"
 # Whether this process has mapped a symmetric buffer (module docstring).
 _mapped_once = False
 
@@ -101,37 +102,33 @@ class SymmetricAllReduce:
 
 
 class TritonAllReduce:
-    """kernels/all_reduce_triton.py over one rank's mapped buffer ("triton"): its flag area,
-    then two slots of max_bytes."""
+    """kernels/all_reduce_triton.py over one rank's mapped area ("triton")."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
         from ..kernels import all_reduce_triton
 
         check(size)
         self._kernel = all_reduce_triton
-        # a multiple of 256 bytes, so slot 1 starts as aligned as slot 0
-        self.max_bytes = (2 * ONE_SHOT_BYTES_AT_SIZE_2 // size) // 256 * 256
-        flag_bytes = all_reduce_triton.FLAG_BYTES
-        self.buffer, handle = _mapped(group, device, flag_bytes + 2 * self.max_bytes)
-        bases = [int(p) for p in handle.buffer_ptrs]
-        self.peers = all_reduce_triton.PeerBuffers(
+        max_words = (2 * ONE_SHOT_BYTES_AT_SIZE_2 // size) // 4
+        area = all_reduce_triton.PeerAreas.area_bytes(size, max_words)
+        self.buffer, handle = _mapped(group, device, area)
+        self.areas = all_reduce_triton.PeerAreas(
             rank=dist.get_rank(group), world=size,
-            data_ptrs=torch.tensor([b + flag_bytes for b in bases], dtype=torch.int64,
+            area_ptrs=torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64,
                                    device=device),
-            flag_ptrs=torch.tensor(bases, dtype=torch.int64, device=device),
-            slot_bytes=self.max_bytes)
-        # Every flag down on every rank before any rank raises one.
-        self.buffer[:flag_bytes].zero_()
+            max_words=max_words)
+        # Every word "not arrived" on every rank before any rank pushes one.
+        self.buffer.zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
     def fits(self, t: torch.Tensor) -> bool:
-        return self._kernel.fits(self.peers, t)
+        return self._kernel.fits(self.areas, t)
 
     def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
         consecutive all-reduces (the model's o and down)."""
-        return self._kernel.one_shot_all_reduce(t, self.peers, slot)
+        return self._kernel.all_reduce(t, self.areas, slot)
 
 
 def pick(device: torch.device) -> str:
