@@ -12,7 +12,7 @@ GRAPHEXEC_ALL_REDUCE picks the implementation:
       dependent, so the next projection fetches its first weight tiles during the exchange, and
       pushing each rank's partial to its peers with the flag inside every word: on two H200s
       (llama-8b, 2026-11-26, docs/benchmarks.md "Tensor parallelism") the size-2 decode step
-      took 2.626 ms at batch 1 and 3.447 ms at batch 64, against 3.076 / 3.960 with NCCL;
+      took 2.632 ms at batch 1 and 3.452 ms at batch 64, against 3.069 / 3.965 with NCCL;
   "nccl": the group's NCCL all-reduce;
   "symm_mem": torch's one_shot_all_reduce (on two H100s, llama-8b, 2026-11-25, about 9 us an
       all-reduce at batch 1, the wait for the other rank included; the step no faster than
