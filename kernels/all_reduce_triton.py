@@ -12,15 +12,15 @@ answer:
 
 - each program packs 4 bytes of its share of the partial with a 4-byte flag of 1 into one
   8-byte word, and stores the words into its box in every peer's area (mapped symmetric memory,
-  parallel/symmetric.py; plain peer stores, no multicast);
+  parallel/symmetric.py; volatile peer stores, no multicast);
 - it then polls its own area (local memory) until every word from every peer carries the flag,
   adds the ranks' parts in rank order in fp32 and rounds once (every rank gets the same bits;
   at two ranks, NCCL's bits too), and zeroes the words it read, which makes them "not arrived"
   for the next use of the box.
 
-An 8-byte store reaches the peer whole (NCCL's LL protocol relies on the same), so a word seen
-with its flag holds its data: no fence, no separate flag, no round trip. The price is twice the
-bytes on the link, which decode messages afford: on two H200s (llama-8b, 2026-11-26,
+A volatile 8-byte store reaches the peer whole (NCCL's LL protocol relies on the same), so a
+word seen with its flag holds its data: no fence, no separate flag, no round trip. The price is
+twice the bytes on the link, which decode messages afford: on two H200s (llama-8b, 2026-11-26,
 docs/benchmarks.md "Tensor parallelism") the decode step took 2.626 ms at batch 1 and 3.447 ms at
 batch 64 against 2.760 / 3.552 with the kernel this one replaced (commit 9ae0fc1), which pulled:
 it raised a flag in each peer's memory with a compare-and-swap, whose answer must cross back,
@@ -31,11 +31,14 @@ other slot. Before a rank can write slot s again (use k + 2) it must have receiv
 words of use k + 1, which the peer sent only after it had finished use k, zeroing included (the
 kernels of a stream complete in order): zeroed words are never overwritten early, and a word
 seen with its flag is always this use's. The model alternates the slots by site (o: 0, down: 1),
-in every forward and every graph alike, and a captured graph replays the kernel as it is.
+in every forward and every graph alike, and a captured graph replays the kernel as it is
+(parallel/symmetric.py refuses a slot used twice in a row). A message too large for the kernel
+goes to NCCL, whose all-reduce waits for every rank, so the slot after it may be either.
 
 Deadline: a wait that outlasts timeout_s traps, which fails the CUDA context, so the engine
 raises at its next step instead of summing a stale box (as NCCL's watchdog ends a stuck
-collective). The clock is read only once a poll has found a word missing.
+collective). The clock is read only once a poll has found a word missing, and one deadline
+covers the waits for all peers.
 """
 from __future__ import annotations
 
@@ -117,10 +120,25 @@ def _word(lo, hi, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _push(ptrs, words, ok, STRONG: tl.constexpr):
+    """Stores the 8-byte words where ok. STRONG: as volatile stores, one per word, as NCCL's LL
+    protocol does: the peer polls a word while it lands, and only a strong store is promised
+    to arrive whole to a concurrent reader (a weak vector store tore nowhere, but the PTX
+    memory model gives it no such promise). The interpreter has no inline assembly."""
+    if STRONG:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.b64 [$1], $2; "
+            "mov.u32 $0, 0; }", "=r,l,l,r", [ptrs, words, ok.to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, words, mask=ok)
+
+
+@triton.jit
 def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_words,
-                          timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
-                          DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
-                          THREADS: tl.constexpr, PDL: tl.constexpr):
+                       timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
+                       DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
+                       THREADS: tl.constexpr, PDL: tl.constexpr):
     # x_ptr, out_ptr: the message as int32 words; area_ptrs: int64 [WORLD], each rank's area
     # as an address in this process (its own, and its peers' mapped over NVLink). A rank's
     # area holds two slots of WORLD boxes of source_words 8-byte words, box q for rank q.
@@ -132,34 +150,40 @@ def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_wo
     packed = (words.to(tl.int64) & 0xFFFFFFFF) | _ARRIVED
     for q in tl.static_range(WORLD):
         if q != RANK:
-            # the areas are 16-byte aligned: two words to a store, never one torn in two
+            # boxes are 16-byte aligned (PeerAreas.box_words), so are the polls' vector loads
             peer = tl.multiple_of(tl.load(area_ptrs + q).to(tl.pointer_type(tl.int64)), 16)
-            tl.store(peer + slot_words + RANK * source_words + offs, packed, mask=ok)
+            _push(peer + slot_words + RANK * source_words + offs, packed, ok, TIMED)
     own = tl.multiple_of(tl.load(area_ptrs + RANK).to(tl.pointer_type(tl.int64)), 16)
     lo_sum = tl.zeros([BLOCK], dtype=tl.float32)
     hi_sum = tl.zeros([BLOCK], dtype=tl.float32)
     late = tl.full([], 0, tl.int32)
+    deadline = tl.full([], 0, tl.int64)  # one for all peers, set at the first missing word
     for q in tl.static_range(WORLD):
         if q == RANK:
             w = words
         else:
             box = own + slot_words + q * source_words + offs
             got = tl.load(box, mask=ok, other=_ARRIVED, volatile=True)
-            deadline = tl.full([], 0, tl.int64)
-            # a reduction over the program: every thread sees the same answer, so all its
+            # reductions over the program: every thread sees the same answers, so all its
             # warps leave the loop together
-            while (tl.min((got >> 32).to(tl.int32), axis=0) == 0) & (late == 0):
+            missing = tl.min((got >> 32).to(tl.int32), axis=0) == 0
+            while missing & (late == 0):
                 got = tl.load(box, mask=ok, other=_ARRIVED, volatile=True)
+                missing = tl.min((got >> 32).to(tl.int32), axis=0) == 0
                 if TIMED:
                     now = _now_ns(THREADS)
                     deadline = tl.where(deadline == 0, now + timeout_ns, deadline)
-                    late = (now > deadline).to(tl.int32)
+                    late = (missing & (now > deadline)).to(tl.int32)
             # read: the box is "not arrived" again for the slot's next use
             tl.store(box, tl.zeros([BLOCK], tl.int64), mask=ok)
             w = got.to(tl.int32)
         lo, hi = _halves(w, DTYPE)
-        lo_sum += lo
-        hi_sum += hi
+        if q == 0:  # rank 0's part as it is, so -0.0 alone sums to -0.0, as NCCL's does
+            lo_sum = lo
+            hi_sum = hi
+        else:
+            lo_sum += lo
+            hi_sum += hi
     if late > 0:
         _trap()
     tl.store(out_ptr + offs, _word(lo_sum, hi_sum, DTYPE), mask=ok)
@@ -168,11 +192,17 @@ def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_wo
 @dataclass(frozen=True)
 class PeerAreas:
     """This rank's view of every rank's area: where each one starts, as addresses valid in
-    this process, and how many message words a box holds."""
+    this process, and how many message words a box holds (box_words' multiple)."""
     rank: int
     world: int
     area_ptrs: torch.Tensor  # int64 [world], on the device the kernel runs on
     max_words: int
+
+    @staticmethod
+    def box_words(max_bytes: int) -> int:
+        """Message words a box of at most max_bytes of message holds: a multiple of 64, so
+        every box of an area starts 512-byte aligned, whatever the number of ranks."""
+        return max_bytes // 4 // 64 * 64
 
     @staticmethod
     def area_bytes(world: int, max_words: int) -> int:
@@ -181,12 +211,12 @@ class PeerAreas:
 
 
 def fits(areas: PeerAreas, x: torch.Tensor) -> bool:
-    """Whether x can go through the kernel: a dtype it sums, contiguous, whole 4-byte words,
-    not empty (an empty message would send no words, and the slots would no longer alternate),
+    """Whether x can go through the kernel: a dtype it sums, contiguous, whole and aligned
+    4-byte words, not empty (an empty message would send no words, and the slots would no longer alternate),
     within a box."""
     nbytes = x.numel() * x.element_size()
     return (x.dtype in _TL_DTYPES and x.is_contiguous() and nbytes % 4 == 0
-            and 0 < nbytes // 4 <= areas.max_words)
+            and x.data_ptr() % 4 == 0 and 0 < nbytes // 4 <= areas.max_words)
 
 
 def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,

@@ -86,32 +86,97 @@ def test_a_message_of_the_wrong_shape_or_a_bad_slot_is_refused():
         ar.all_reduce(big[:8], areas.buffers(0), 2)
 
 
+def test_three_ranks_sum_in_rank_order_and_keep_a_negative_zero():
+    """The last of three ranks, its two peers' words staged: the fp32 sum runs in rank order
+    (fp32 parts, where the order changes the rounding), its pushes land in box 2 of both
+    peers' areas, and a sum of negative zeros stays negative, as NCCL's does."""
+    areas = Areas(3)
+    x = _parts(3, 3000, torch.float32, seed=7)
+    x[0][:5] = -0.0
+    x[1][:5] = -0.0
+    x[2][:5] = -0.0
+    x[0][5:] *= 1e4  # large and small magnitudes: a reordered sum would round differently
+    words = x[0].numel()
+    for q in (0, 1):
+        areas.box(2, 1, q)[:words] = _words(x[q]) | ar.ARRIVED
+    out = ar.all_reduce(x[2], areas.buffers(2), 1, timeout_s=30)
+    want = ar.all_reduce_ref(x)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    assert torch.signbit(out[:5].cpu()).all()
+    for q in (0, 1):
+        assert torch.equal(areas.box(q, 1, 2)[:words], _words(x[2]) | ar.ARRIVED)
+        assert not areas.box(2, 1, q).any()
+    reordered = (x[2].double() + x[1].double()).float() + x[0]
+    assert not torch.equal(out, reordered), "the test cannot tell the orders apart"
+
+
+def _in_a_process(target) -> str:
+    """target(conn) in a spawned process of its own (a kernel that traps fails its CUDA
+    context, which cannot run anything after): the message it sends."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    p = ctx.Process(target=target, args=(theirs,), daemon=True)
+    p.start()
+    theirs.close()
+    try:
+        assert ours.poll(120), "the kernel did not end"
+        return ours.recv()
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
+def _wait_for_a_late_peer(conn) -> None:
+    areas = Areas(2)
+    x = _parts(2, 4096, torch.bfloat16, seed=3)
+    staged = _words(x[1]) | ar.ARRIVED
+    box = areas.box(0, 0, 1)[: staged.numel()]
+    side = torch.cuda.Stream()
+    # every kernel the side stream runs is loaded before the kernel starts to spin: a module
+    # loaded lazily while it spins could wait for it
+    torch.cuda._sleep(1)
+    torch.empty_like(staged).copy_(staged)
+    torch.cuda.synchronize()
+    out = ar.all_reduce(x[0], areas.buffers(0), 0, timeout_s=30)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds: the kernel polls meanwhile
+        box.copy_(staged)
+    torch.cuda.synchronize()
+    conn.send("equal" if torch.equal(out, ar.all_reduce_ref(x)) else "wrong sum")
+
+
+@pytest.mark.skipif(CPU_MODE, reason="needs a second stream running beside the kernel")
+def test_a_late_peer_is_waited_for():
+    """The peer's words land while the kernel already polls (a second stream writes them after
+    a sleep): it waits, then sums them."""
+    assert _in_a_process(_wait_for_a_late_peer) == "equal"
+
+
 def _wait_for_a_peer_that_never_comes(conn) -> None:
+    import time
+
     areas = Areas(2)
     x = _parts(2, 4096, torch.bfloat16, seed=1)
+    # a first call, its peer's words staged: compiled before the clock starts
+    areas.box(0, 0, 1)[:2048] = _words(x[1]) | ar.ARRIVED
+    ar.all_reduce(x[0], areas.buffers(0), 0, timeout_s=30)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     try:
-        ar.all_reduce(x[0], areas.buffers(0), 0, timeout_s=0.2)
+        ar.all_reduce(x[0], areas.buffers(0), 1, timeout_s=0.2)
         torch.cuda.synchronize()
         conn.send("no error")
     except RuntimeError as e:  # the trap: the context fails
-        conn.send(f"error: {e}")
+        conn.send(f"error after {time.perf_counter() - start:.3f} s: {e}")
 
 
 @pytest.mark.skipif(CPU_MODE, reason="the deadline reads the GPU's clock")
 def test_a_peer_that_never_comes_fails_the_context_instead_of_hanging():
     """Past its deadline the kernel traps: the CUDA context fails and the host's next wait
-    raises. (In a process of its own: the failed context cannot run anything after.)"""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    p = ctx.Process(target=_wait_for_a_peer_that_never_comes, args=(theirs,), daemon=True)
-    p.start()
-    theirs.close()
-    try:
-        assert ours.poll(120), "the kernel did not end"
-        assert ours.recv().startswith("error: "), "the wait ended without failing the context"
-    finally:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+    raises, no sooner than the deadline."""
+    said = _in_a_process(_wait_for_a_peer_that_never_comes)
+    assert said.startswith("error after "), said
+    assert float(said.split()[2]) >= 0.2, said

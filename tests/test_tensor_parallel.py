@@ -106,6 +106,26 @@ def test_llama_70b_preset_splits_over_8():
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (8, 1, 3584)
 
 
+def test_the_triton_reducer_refuses_a_slot_twice_in_a_row():
+    """The kernel's race freedom rests on consecutive all-reduces alternating their slots
+    (kernels/all_reduce_triton.py): the reducer checks it on the host, so a caller that broke
+    it fails at once instead of hanging the GPUs. (The kernel itself is stubbed: no GPU.)"""
+    from types import SimpleNamespace
+
+    from graphexec.parallel.symmetric import TritonAllReduce
+
+    calls = []
+    reducer = object.__new__(TritonAllReduce)
+    reducer._kernel = SimpleNamespace(all_reduce=lambda t, areas, slot: calls.append(slot) or t)
+    reducer.areas, reducer._last_slot = None, None
+    t = torch.zeros(4)
+    for slot in (0, 1, 0, 1):
+        assert reducer(t, slot) is t
+    with pytest.raises(RuntimeError, match="slot 1 twice in a row"):
+        reducer(t, 1)
+    assert calls == [0, 1, 0, 1]
+
+
 def test_presets_count_the_published_parameters_and_stream_all_but_an_untied_embedding():
     """The counts the bench's rooflines rest on: the published totals of Llama 3.1 8B / 70B and
     Llama 3.2 1B (their model cards), and per step every weight but an untied embedding table,

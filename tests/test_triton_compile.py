@@ -339,25 +339,39 @@ def test_model_kernels_compile(compiled, monkeypatch):
         assert _weight_loads(kernel)[1] <= allowed, (name, _weight_loads(kernel))
 
 
-def test_all_reduce_kernel_compiles_to_wide_pushes_and_volatile_polls(compiled, monkeypatch):
-    """kernels/all_reduce_triton.py for sm_90: the words go to the peer in 16-byte stores
-    (two whole 8-byte words each: a word must never tear), the polls read past every cache
-    (volatile), the deadline and trap are there, nothing is read or written before the PDL
-    wait, and no atomic or fence waits on the link."""
+def test_all_reduce_kernel_compiles_to_strong_pushes_and_volatile_polls(compiled, monkeypatch):
+    """kernels/all_reduce_triton.py for sm_90, at two and three ranks: each peer gets each word
+    of the program's share in one volatile 8-byte store (the peer polls it as it lands: a
+    word must never tear, and only a strong store is promised whole), the only other stores
+    are the zeroing of the own box (16-byte, both halves the same zero) and the result; the
+    polls are volatile 16-byte loads (boxes 16-byte aligned at any rank count); the deadline
+    and trap are there; nothing is read or written before the PDL wait, and no atomic or
+    fence waits on the link."""
     from graphexec.kernels import all_reduce_triton as ar
     from graphexec.kernels import pdl
 
     monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
-    areas = ar.PeerAreas(0, 2, torch.zeros(2, dtype=torch.int64), 1 << 20)
-    ar.all_reduce(torch.zeros(1, 4096, dtype=torch.float32), areas, 1)
+    words_per_thread = ar.BLOCK // (32 * ar.NUM_WARPS)
+    box = ar.PeerAreas.box_words(3 << 20)  # an area's boxes as symmetric.py sizes them
+    ar.all_reduce(torch.zeros(1, 4096, dtype=torch.float32),
+                  ar.PeerAreas(0, 2, torch.zeros(2, dtype=torch.int64), box), 1)
     (name, _), = compiled  # fp32 messages too: one element a word
-    compiled.clear()
-    ar.all_reduce(_bf16(1, 4096), areas, 0)
-    (name, kernel), = compiled
-    assert name == "_all_reduce_kernel" and kernel.metadata.launch_pdl
-    ptx = kernel.asm["ptx"]
-    assert not re.search(r"\b(ld|st)\.global", _before_wait(ptx)), "memory before the PDL wait"
-    assert re.search(r"st\.global\.v2\.b64", ptx), "16-byte pushes of whole words"
-    assert re.search(r"ld\.volatile\.global", ptx), "polls that re-read memory"
-    assert not re.search(r"\b(atom|red|membar|fence)\.", ptx), "a round trip on the link"
-    assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"
+    for world, rank in ((2, 0), (3, 2)):
+        compiled.clear()
+        ar.all_reduce(_bf16(1, 4096),
+                      ar.PeerAreas(rank, world, torch.zeros(world, dtype=torch.int64), box), 0)
+        (name, kernel), = compiled
+        assert name == "_all_reduce_kernel" and kernel.metadata.launch_pdl
+        ptx = kernel.asm["ptx"]
+        assert not re.search(r"\b(ld|st)\.global", _before_wait(ptx)), "memory before PDL wait"
+        pushes = re.findall(r"st\.volatile\.global\.b64", ptx)
+        assert len(pushes) == words_per_thread * (world - 1), (world, len(pushes))
+        stores = re.findall(r"\bst\.global(\.v\d)?\.b\d+\s+\[[^\]]+\],\s*\{?([^;}]*)", ptx)
+        zeroing = [ops for vec, ops in stores
+                   if vec == ".v2" and len({o.strip() for o in ops.split(",")}) == 1]
+        results = [ops for vec, ops in stores if vec == ".v4"]
+        assert len(zeroing) + len(results) == len(stores), stores
+        assert zeroing and results, stores
+        assert re.search(r"ld\.volatile\.global\.v2\.b64", ptx), "polls that re-read memory"
+        assert not re.search(r"\b(atom|red|membar|fence)\.", ptx), "a round trip on the link"
+        assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"

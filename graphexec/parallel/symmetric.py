@@ -109,7 +109,7 @@ class TritonAllReduce:
 
         check(size)
         self._kernel = all_reduce_triton
-        max_words = (2 * ONE_SHOT_BYTES_AT_SIZE_2 // size) // 4
+        max_words = all_reduce_triton.PeerAreas.box_words(2 * ONE_SHOT_BYTES_AT_SIZE_2 // size)
         area = all_reduce_triton.PeerAreas.area_bytes(size, max_words)
         self.buffer, handle = _mapped(group, device, area)
         self.areas = all_reduce_triton.PeerAreas(
@@ -121,6 +121,7 @@ class TritonAllReduce:
         self.buffer.zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
+        self._last_slot: int | None = None
 
     def fits(self, t: torch.Tensor) -> bool:
         return self._kernel.fits(self.areas, t)
@@ -128,7 +129,14 @@ class TritonAllReduce:
     def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
         consecutive all-reduces (the model's o and down)."""
-        return self._kernel.all_reduce(t, self.areas, slot)
+        if slot == self._last_slot:
+            # the kernel's race freedom rests on it (kernels/all_reduce_triton.py): a caller
+            # that breaks it would hang or sum a box twice, so it fails here on the host
+            raise RuntimeError(f"all-reduce slot {slot} twice in a row: the model's "
+                               f"all-reduces must alternate slots 0 and 1")
+        out = self._kernel.all_reduce(t, self.areas, slot)
+        self._last_slot = slot
+        return out
 
 
 def pick(device: torch.device) -> str:
