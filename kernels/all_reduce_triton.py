@@ -12,14 +12,15 @@ answer:
 
 - each program packs 4 bytes of its share of the partial with a 4-byte flag of 1 into one
   8-byte word, and stores the words into its box in every peer's area (mapped symmetric memory,
-  parallel/symmetric.py; volatile peer stores, no multicast);
+  parallel/symmetric.py; plain peer stores, no multicast);
 - it then polls its own area (local memory) until every word from every peer carries the flag,
   adds the ranks' parts in rank order in fp32 and rounds once (every rank gets the same bits;
   at two ranks, NCCL's bits too), and zeroes the words it read, which makes them "not arrived"
   for the next use of the box.
 
-A volatile 8-byte store reaches the peer whole (NCCL's LL protocol relies on the same), so a
-word seen with its flag holds its data: no fence, no separate flag, no round trip. The price is
+An aligned store of whole 8-byte words reaches the peer whole (NCCL's LL protocol relies on the
+same, with volatile stores: see the kernel for why not here), so a word seen with its flag holds
+its data: no fence, no separate flag, no round trip. The price is
 twice the bytes on the link, which decode messages afford: on two H200s (llama-8b, 2026-11-26,
 docs/benchmarks.md "Tensor parallelism") the decode step took 2.626 ms at batch 1 and 3.447 ms at
 batch 64 against 2.760 / 3.552 with the kernel this one replaced (commit 9ae0fc1), which pulled:
@@ -120,21 +121,6 @@ def _word(lo, hi, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _push(ptrs, words, ok, STRONG: tl.constexpr):
-    """Stores the 8-byte words where ok. STRONG: as volatile stores, one per word, as NCCL's LL
-    protocol does: the peer polls a word while it lands, and only a strong store is promised
-    to arrive whole to a concurrent reader (a weak vector store tore nowhere, but the PTX
-    memory model gives it no such promise). The interpreter has no inline assembly."""
-    if STRONG:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.volatile.global.b64 [$1], $2; "
-            "mov.u32 $0, 0; }", "=r,l,l,r", [ptrs, words, ok.to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1)
-    else:
-        tl.store(ptrs, words, mask=ok)
-
-
-@triton.jit
 def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_words,
                        timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
                        DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
@@ -150,9 +136,15 @@ def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_wo
     packed = (words.to(tl.int64) & 0xFFFFFFFF) | _ARRIVED
     for q in tl.static_range(WORLD):
         if q != RANK:
-            # boxes are 16-byte aligned (PeerAreas.box_words), so are the polls' vector loads
+            # Boxes are 16-byte aligned (PeerAreas.box_words): two whole words to a store.
+            # Plain (weak) stores. NCCL's LL protocol uses volatile ones, the only kind the PTX
+            # memory model promises whole to a concurrent reader; here they made the
+            # all-reduce alone 1.9x slower at 512 KiB and 3.2x at 4 MiB, and the batch-64
+            # step 13% longer (two H200s, 2026-11-26, docs/benchmarks.md "Tensor
+            # parallelism"), while an aligned 16-byte store never tore in any test (every sum
+            # is checked bit for bit).
             peer = tl.multiple_of(tl.load(area_ptrs + q).to(tl.pointer_type(tl.int64)), 16)
-            _push(peer + slot_words + RANK * source_words + offs, packed, ok, TIMED)
+            tl.store(peer + slot_words + RANK * source_words + offs, packed, mask=ok)
     own = tl.multiple_of(tl.load(area_ptrs + RANK).to(tl.pointer_type(tl.int64)), 16)
     lo_sum = tl.zeros([BLOCK], dtype=tl.float32)
     hi_sum = tl.zeros([BLOCK], dtype=tl.float32)

@@ -339,14 +339,13 @@ def test_model_kernels_compile(compiled, monkeypatch):
         assert _weight_loads(kernel)[1] <= allowed, (name, _weight_loads(kernel))
 
 
-def test_all_reduce_kernel_compiles_to_strong_pushes_and_volatile_polls(compiled, monkeypatch):
-    """kernels/all_reduce_triton.py for sm_90, at two and three ranks: each peer gets each word
-    of the program's share in one volatile 8-byte store (the peer polls it as it lands: a
-    word must never tear, and only a strong store is promised whole), the only other stores
-    are the zeroing of the own box (16-byte, both halves the same zero) and the result; the
-    polls are volatile 16-byte loads (boxes 16-byte aligned at any rank count); the deadline
-    and trap are there; nothing is read or written before the PDL wait, and no atomic or
-    fence waits on the link."""
+def test_all_reduce_kernel_compiles_to_wide_pushes_and_volatile_polls(compiled, monkeypatch):
+    """kernels/all_reduce_triton.py for sm_90, at two and three ranks: each peer gets the
+    program's share in 16-byte stores of two whole 8-byte words (a word must never tear;
+    boxes are 16-byte aligned at any rank count), the only other stores are the zeroing of
+    the own box (both halves the same zero) and the result; the polls are volatile 16-byte
+    loads; the deadline and trap are there; nothing is read or written before the PDL wait,
+    and no atomic or fence waits on the link."""
     from graphexec.kernels import all_reduce_triton as ar
     from graphexec.kernels import pdl
 
@@ -364,14 +363,15 @@ def test_all_reduce_kernel_compiles_to_strong_pushes_and_volatile_polls(compiled
         assert name == "_all_reduce_kernel" and kernel.metadata.launch_pdl
         ptx = kernel.asm["ptx"]
         assert not re.search(r"\b(ld|st)\.global", _before_wait(ptx)), "memory before PDL wait"
-        pushes = re.findall(r"st\.volatile\.global\.b64", ptx)
-        assert len(pushes) == words_per_thread * (world - 1), (world, len(pushes))
-        stores = re.findall(r"\bst\.global(\.v\d)?\.b\d+\s+\[[^\]]+\],\s*\{?([^;}]*)", ptx)
-        zeroing = [ops for vec, ops in stores
-                   if vec == ".v2" and len({o.strip() for o in ops.split(",")}) == 1]
-        results = [ops for vec, ops in stores if vec == ".v4"]
-        assert len(zeroing) + len(results) == len(stores), stores
-        assert zeroing and results, stores
+        stores = re.findall(r"\bst\.global(\.v\d)?\.b(\d+)\s+\[[^\]]+\],\s*\{?([^;}]*)", ptx)
+        halves = lambda ops: {o.strip() for o in ops.split(",")}
+        pushes = [ops for vec, bits, ops in stores
+                  if (vec, bits) == (".v2", "64") and len(halves(ops)) == 2]
+        zeroing = [ops for vec, bits, ops in stores
+                   if (vec, bits) == (".v2", "64") and len(halves(ops)) == 1]
+        results = [ops for vec, bits, ops in stores if (vec, bits) == (".v4", "32")]
+        assert len(pushes) == words_per_thread // 2 * (world - 1), (world, stores)
+        assert zeroing and results and len(pushes + zeroing + results) == len(stores), stores
         assert re.search(r"ld\.volatile\.global\.v2\.b64", ptx), "polls that re-read memory"
         assert not re.search(r"\b(atom|red|membar|fence)\.", ptx), "a round trip on the link"
         assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"
