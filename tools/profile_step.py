@@ -117,13 +117,16 @@ def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
                 kernels=[dict(name=n[:90], calls=c, us=round(t, 2)) for n, c, t in kernels])
 
 
-def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128, tp: int = 1) -> dict:
+def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128,
+                tp: int = 1) -> tuple[LLM, dict]:
     """The time between decode iterations in the real async loop (engine.step), where the
     copies of results, deltas and the graph launch sit: per-gap statistics from the runner's
     CUDA events, then one profiled stretch that names what the GPU ran inside the gaps and
     what each kernel took per step (rank 0's GPU under tensor parallelism: there the
     all-reduce kernels are listed too; with PDL on, overlapping kernels add up to more than the
-    step, so GRAPHEXEC_PDL=0 gives shares that add up)."""
+    step, so GRAPHEXEC_PDL=0 gives shares that add up). Returns the engine, still open, with
+    the report: the caller saves the report before closing (a size-2 close once outlived the
+    time its device run had left, and the report was lost with it)."""
     llm = LLM(model, max_batch=batch, max_model_len=prompt_len + 2 * steps + 64,
               buckets=[batch], num_kv_blocks=batch * (prompt_len + 2 * steps + 64) // 16 + 8,
               tensor_parallel_size=tp)
@@ -162,7 +165,6 @@ def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128, tp: i
             non_kernel[n[:60]][0] += 1
             non_kernel[n[:60]][1] += e - s
     n_prof = steps // 2
-    _close(llm)
 
     def stats(xs: list[float]) -> dict:
         return dict(mean=sum(xs) / len(xs), median=xs[len(xs) // 2], p90=xs[int(len(xs) * 0.9)],
@@ -172,7 +174,7 @@ def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128, tp: i
                       key=lambda x: -x[2])
     collective_us = sum(t for k, _, t in per_step if "nccl" in k.lower() or "allreduce" in
                         k.replace("_", "").lower())
-    return dict(model=model, batch=batch, tensor_parallel_size=tp, steps=len(tl),
+    return llm, dict(model=model, batch=batch, tensor_parallel_size=tp, steps=len(tl),
                 busy_us=stats(busy), gap_us=stats(gaps), profiled_steps=n_prof,
                 all_reduce_us_per_step=collective_us,
                 kernels_per_step=per_step[:40],
@@ -201,11 +203,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     if args.engine_gaps:
         for b in args.batch:
-            res = engine_gaps(args.model, b, args.engine_gaps, tp=args.tp)
+            llm, res = engine_gaps(args.model, b, args.engine_gaps, tp=args.tp)
             tag = f"_tp{args.tp}" if args.tp > 1 else ""
             with open(os.path.join(args.out, f"gaps_{args.model}_b{b}{tag}.json"), "w") as f:
                 json.dump(res, f, indent=1)
-            print(json.dumps(res, indent=1))
+            print(json.dumps(res, indent=1), flush=True)
+            _close(llm)
         return
     for b, proj in itertools.product(args.batch, args.projections):
         res = profile_step(args.model, b, args.replays, projections=proj, spec=args.spec,
