@@ -224,11 +224,11 @@ class ModelRunner:
         """Eager: the mixed step with a decode part of decode_rows rows, or the chunks alone
         (a speculative runner)."""
         st = self.state
+        rows = decode_rows if self.mixed else 0
+        out = mixed_step(self.model, st, self.kv, meta, rows, self.block_size, with_logprobs,
+                         self.draft)
         if not self.mixed:
-            return mixed_step(self.model, st, self.kv, meta, 0, self.block_size, with_logprobs,
-                              self.draft)
-        out = mixed_step(self.model, st, self.kv, meta, decode_rows, self.block_size,
-                         with_logprobs)
+            return out
         if self.mailbox is not None:  # every run publishes, so the slot counter stays in step
             self.mailbox.publish(st.out_packed[:max(decode_rows, 1)])
             self.mailbox.ran()

@@ -9,6 +9,7 @@ import torch
 
 from graphexec.kernels import all_reduce_triton as ar
 from kernel_helpers import CPU_MODE, DEV, RUNNABLE
+from tp_helpers import _reap, _spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not RUNNABLE, reason="needs Triton")]
 
@@ -113,20 +114,12 @@ def test_three_ranks_sum_in_rank_order_and_keep_a_negative_zero():
 def _in_a_process(target) -> str:
     """target(conn) in a spawned process of its own (a kernel that traps fails its CUDA
     context, which cannot run anything after): the message it sends."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    p = ctx.Process(target=target, args=(theirs,), daemon=True)
-    p.start()
-    theirs.close()
+    p, conn = _spawn(target, (), daemon=True)
     try:
-        assert ours.poll(120), "the kernel did not end"
-        return ours.recv()
+        assert conn.poll(120), "the kernel did not end"
+        return conn.recv()
     finally:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+        _reap([p], 10)
 
 
 def _wait_for_a_late_peer(conn) -> None:
