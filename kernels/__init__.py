@@ -45,9 +45,24 @@ class Ops:
     # sequences; None: the model calls the two.
     rope_decode_attention: Callable | None = None
     # rank -> the set for that tensor-parallel rank, whose out_linear and mlp return partial
-    # sums (rank 0's holding the residual) for the model to all-reduce; None: a sharded model
-    # drops out_linear and mlp and composes the plain projections.
+    # sums without the residual (passed through) for the model to all-reduce, and whose
+    # norm_linear and mlp also take a Normed; None: a sharded model drops out_linear and mlp and composes the
+    # plain projections.
     for_rank: Callable[[int], "Ops"] | None = None
+
+
+@dataclass(frozen=True)
+class Normed:
+    """A projection's input with its RMSNorm already applied, by the all-reduce before it
+    (model/shard.py, Shard.all_reduce_norm): x = rms_norm(summed) by norm_weight, and summed
+    the residual stream. The projection after it runs without a norm of its own."""
+    x: torch.Tensor
+    summed: torch.Tensor
+    norm_weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
 
 
 REFERENCE_OPS = Ops(

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .rmsnorm import add_rms_norm_ref
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -63,6 +64,10 @@ ARRIVED = 1 << 32  # the flag, in the high half of a word
 _ARRIVED = tl.constexpr(ARRIVED)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
               torch.float16: tl.float16}
+# Widest row the fused norm takes (one program a row): 8192 bf16 elements, llama-70b's hidden.
+MAX_ROW_WORDS = 4096
+# Its warps: a row's words over 4-16 warps, this many words a thread.
+NORM_WORDS_PER_THREAD = 8
 # A peer that has not pushed its words by then is dead or hung (module docstring). The first
 # forward of a rank may wait for its peer's Triton compilation, hence the minute.
 TIMEOUT_S = 60.0
@@ -75,6 +80,12 @@ def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
         total = total + p.float()
     return total.to(parts[0].dtype)
 
+
+def all_reduce_add_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor,
+                                weight: torch.Tensor, eps: float
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What all_reduce_add_rms_norm computes: (norm(sum + residual), sum + residual)."""
+    return add_rms_norm_ref(all_reduce_ref(parts), residual, weight, eps)
 
 
 @triton.jit
@@ -121,18 +132,13 @@ def _word(lo, hi, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_words,
-                       timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
-                       DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
-                       THREADS: tl.constexpr, PDL: tl.constexpr):
-    # x_ptr, out_ptr: the message as int32 words; area_ptrs: int64 [WORLD], each rank's area
-    # as an address in this process (its own, and its peers' mapped over NVLink). A rank's
-    # area holds two slots of WORLD boxes of source_words 8-byte words, box q for rank q.
-    pdl.prologue(PDL)
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n_words
-    words = tl.load(x_ptr + offs, mask=ok, other=0)
+def _exchange(words, area_ptrs, offs, ok, slot_words, source_words, timeout_ns,
+              RANK: tl.constexpr, WORLD: tl.constexpr, DTYPE: tl.constexpr,
+              BLOCK: tl.constexpr, TIMED: tl.constexpr, THREADS: tl.constexpr):
+    """The sum over the ranks of the message words at offs (this rank's own: words), as fp32
+    halves (_halves), not yet rounded. area_ptrs: int64 [WORLD], each rank's area as an
+    address in this process (its own, and its peers' mapped over NVLink). A rank's area holds
+    two slots of WORLD boxes of source_words 8-byte words, box q for rank q."""
     packed = (words.to(tl.int64) & 0xFFFFFFFF) | _ARRIVED
     for q in tl.static_range(WORLD):
         if q != RANK:
@@ -178,7 +184,55 @@ def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_wo
             hi_sum += hi
     if late > 0:
         _trap()
+    return lo_sum, hi_sum
+
+
+@triton.jit
+def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_words,
+                       timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
+                       DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
+                       THREADS: tl.constexpr, PDL: tl.constexpr):
+    # x_ptr, out_ptr: the message as int32 words; program p sends and sums words
+    # [p * BLOCK, (p + 1) * BLOCK)
+    pdl.prologue(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_words
+    words = tl.load(x_ptr + offs, mask=ok, other=0)
+    lo_sum, hi_sum = _exchange(words, area_ptrs, offs, ok, slot_words, source_words,
+                               timeout_ns, RANK, WORLD, DTYPE, BLOCK, TIMED, THREADS)
     tl.store(out_ptr + offs, _word(lo_sum, hi_sum, DTYPE), mask=ok)
+
+
+@triton.jit
+def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, summed_ptr, area_ptrs,
+                                    row_words, d, eps, slot_words, source_words, timeout_ns,
+                                    RANK: tl.constexpr, WORLD: tl.constexpr,
+                                    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                                    TIMED: tl.constexpr, THREADS: tl.constexpr,
+                                    PDL: tl.constexpr):
+    # Program r: row r of the message (row_words int32 words, d elements), summed over the
+    # ranks as _all_reduce_kernel sums it, then what kernels/norm_rope_triton.add_rms_norm
+    # makes of that sum and the residual row, with its rounding points: the sum rounded to
+    # the dtype, the residual added in fp32 and rounded, normalised in fp32 and rounded, times
+    # the norm weight rounded once. All ranks compute the same bits from the same inputs.
+    pdl.prologue(PDL)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < row_words
+    offs = tl.program_id(0).to(tl.int64) * row_words + cols
+    words = tl.load(x_ptr + offs, mask=ok, other=0)
+    lo_sum, hi_sum = _exchange(words, area_ptrs, offs, ok, slot_words, source_words,
+                               timeout_ns, RANK, WORLD, DTYPE, BLOCK, TIMED, THREADS)
+    r_lo, r_hi = _halves(tl.load(res_ptr + offs, mask=ok, other=0), DTYPE)
+    # masked words are 0 in every operand, so they add nothing to the sum of squares
+    s_lo = (lo_sum.to(DTYPE).to(tl.float32) + r_lo).to(DTYPE).to(tl.float32)
+    s_hi = (hi_sum.to(DTYPE).to(tl.float32) + r_hi).to(DTYPE).to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn((tl.sum(s_lo * s_lo, axis=0) + tl.sum(s_hi * s_hi, axis=0)) / d
+                            + eps)
+    w_lo, w_hi = _halves(tl.load(w_ptr + cols, mask=ok, other=0), DTYPE)
+    y_lo = (s_lo * rstd).to(DTYPE).to(tl.float32)
+    y_hi = (s_hi * rstd).to(DTYPE).to(tl.float32)
+    tl.store(summed_ptr + offs, _word(s_lo, s_hi, DTYPE), mask=ok)
+    tl.store(normed_ptr + offs, _word(y_lo * w_lo, y_hi * w_hi, DTYPE), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -204,8 +258,8 @@ class PeerAreas:
 
 def fits(areas: PeerAreas, x: torch.Tensor) -> bool:
     """Whether x can go through the kernel: a dtype it sums, contiguous, whole and aligned
-    4-byte words, not empty (an empty message would send no words, and the slots would no longer alternate),
-    within a box."""
+    4-byte words, not empty (an empty message would send no words, and the slots would no
+    longer alternate), within a box."""
     nbytes = x.numel() * x.element_size()
     return (x.dtype in _TL_DTYPES and x.is_contiguous() and nbytes % 4 == 0
             and x.data_ptr() % 4 == 0 and 0 < nbytes // 4 <= areas.max_words)
@@ -233,3 +287,47 @@ def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
         TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent,
         num_warps=NUM_WARPS, launch_pdl=dependent)
     return out
+
+
+def fits_norm(areas: PeerAreas, x: torch.Tensor, residual: torch.Tensor,
+              weight: torch.Tensor) -> bool:
+    """Whether all_reduce_add_rms_norm takes these: x fits (fits) as [rows, d] rows of whole
+    words, at most MAX_ROW_WORDS each; residual and weight dense, of x's dtype and shape."""
+    if not (x.dim() == 2 and fits(areas, x)):
+        return False
+    row_bytes = x.shape[1] * x.element_size()
+    return (row_bytes % 4 == 0 and row_bytes // 4 <= MAX_ROW_WORDS
+            and residual.shape == x.shape and weight.shape == x.shape[1:]
+            and all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+                    and t.data_ptr() % 4 == 0 for t in (residual, weight)))
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float, areas: PeerAreas, slot: int,
+                            timeout_s: float = TIMEOUT_S) -> tuple[torch.Tensor, torch.Tensor]:
+    """all_reduce(x) followed by the residual add and RMSNorm that come next in the model, in
+    one kernel: (norm(sum + residual), sum + residual), as kernels/rmsnorm.add_rms_norm_ref
+    rounds them. The sum itself is not stored. Saves the norm's launch and its round trip
+    through memory, and lets the projection after it skip a norm prologue that each of its
+    programs would repeat. Arguments as all_reduce's; x: [rows, d]."""
+    if not fits_norm(areas, x, residual, weight):
+        raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} {x.dtype} (residual "
+                         f"{tuple(residual.shape)} {residual.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}) is not a message the kernel "
+                         f"takes: rows of whole 4-byte words within a box, one dtype")
+    if slot not in (0, 1):
+        raise ValueError(f"all_reduce_add_rms_norm: slot={slot} must be 0 or 1")
+    rows, d = x.shape
+    row_words = d * x.element_size() // 4
+    block = triton.next_power_of_2(row_words)
+    warps = max(4, min(16, block // (32 * NORM_WORDS_PER_THREAD)))
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    words = lambda t: t.view(-1).view(torch.int32)
+    dependent = pdl.enabled(x, projection=False)
+    _all_reduce_add_rms_norm_kernel[(rows,)](
+        words(x), words(residual), words(weight), words(normed), words(summed),
+        areas.area_ptrs, row_words, d, float(eps), slot * areas.world * areas.max_words,
+        areas.max_words, int(timeout_s * 1e9), RANK=areas.rank, WORLD=areas.world,
+        DTYPE=_TL_DTYPES[x.dtype], BLOCK=block, TIMED=not _INTERPRET, THREADS=32 * warps,
+        PDL=dependent, num_warps=warps, launch_pdl=dependent)
+    return normed, summed

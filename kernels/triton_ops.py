@@ -39,7 +39,7 @@ from functools import partial  # noqa: E402
 from . import (activation_triton, advance_triton, attention_triton,  # noqa: E402
                linear_fused_triton, linear_invariant_triton, linear_triton, norm_rope_triton,
                sampling_triton, stop_tokens_triton)
-from . import Ops  # noqa: E402
+from . import Normed, Ops  # noqa: E402
 from .linear import linear_ref  # noqa: E402
 from .sampling import logprobs_ref  # noqa: E402
 from .weight_order import next_weight  # noqa: E402
@@ -176,9 +176,9 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     last_qkv_triton (below) costs speed only: the prefetch is safe at any row count.
 
     rank: the set for one tensor-parallel rank, where o and down return partial sums that the
-    model all-reduces: rank 0 adds the residual in their epilogue, the others run the same
-    kernels without it, so the sum holds it once; the next norm is not begun (a partial sum's
-    norm is no part of the whole's)."""
+    model all-reduces, the residual passed on (the all-reduce adds it, or else the next norm),
+    and norm_linear and mlp may receive a Normed (its norm done by that all-reduce); the next
+    norm is not begun (a partial sum's norm is no part of the whole's)."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 
@@ -187,6 +187,14 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     last_qkv_triton = [False]
 
     def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+        if isinstance(x, Normed):  # a rank's qkv input, normed by the all-reduce before it
+            triton_qkv = fused(x) and weight.numel() <= FUSED_QKV_TRITON_MAX_ELEMENTS
+            last_qkv_triton[0] = triton_qkv
+            if not triton_qkv:
+                return base.linear(x.x, weight, bias), x.summed
+            config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "qkv")
+            return linear_triton.linear(x.x, weight, bias, config, max_rows=max_rows,
+                                        **_warm_next(weight, "qkv")), x.summed
         if weight.shape[0] >= WIDE_WEIGHT_ROWS:  # the LM head
             if not (FUSED_LM_HEAD and fused(x)):
                 return base.norm_linear(_plain(x), residual, norm_weight, eps, weight, bias)
@@ -216,8 +224,8 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     prenorm = PRENORM and rank is None
 
     def add(x, weight, residual, next_norm, kind):
-        """x's projection plus the residual (on a rank other than 0: its partial sum alone)."""
-        if rank:
+        """x's projection plus the residual; a rank's partial sum alone."""
+        if rank is not None:
             return linear_fused_triton.linear_partial(x, weight, max_rows=max_rows,
                                                       **_warm_next(weight, kind))
         return linear_fused_triton.linear_add(x, weight, residual, max_rows=max_rows,
@@ -226,11 +234,18 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     def out_linear(x, weight, residual, next_norm=None):
         if not fused(x) or residual is None:
             return base.linear(x, weight), residual
+        if rank is not None:  # the residual passes on to the all-reduce or the next norm
+            return add(x, weight, None, None, "o"), residual
         return add(x, weight, residual, next_norm if prenorm else None, "o"), None
 
     def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
+        if isinstance(x, Normed):  # a rank's input, normed by the all-reduce before it
+            normed, summed = x.x, x.summed
         if not fused(x):
-            h, summed = base.norm_linear(_plain(x), residual, norm_weight, eps, gate_up)
+            if isinstance(x, Normed):
+                h = base.linear(normed, gate_up)
+            else:
+                h, summed = base.norm_linear(_plain(x), residual, norm_weight, eps, gate_up)
             return base.silu_mul_linear(h, down), summed
         if _prenormed_by(x, norm_weight):
             act = linear_fused_triton.prenormed_linear(x, eps, gate_up, silu_out=True,
@@ -238,9 +253,12 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
                                                        **_warm_next(gate_up, "gate_up"))
             summed = x.h
         else:
-            normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
+            if not isinstance(x, Normed):
+                normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
             act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows,
                                                   **_warm_next(gate_up, "gate_up"))
+        if rank is not None:
+            return add(act, down, None, None, "down"), summed
         # the next layer's qkv takes a Prenormed only on Triton (this layer's tells)
         return add(act, down, summed, next_norm if prenorm and last_qkv_triton[0] else None,
                    "down"), None

@@ -132,6 +132,56 @@ def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch, kind
             assert torch.equal(got, want), shape
 
 
+def _reduce_and_norm_both_ways(shard, device, shapes):
+    """This rank's operand (seeded by rank), the residual and norm weight (the same on every
+    rank), and what the fused all-reduce + add + norm makes of them (eager, and replayed from a
+    graph) beside NCCL's sum followed by the Triton norm kernel."""
+    import torch.distributed as dist
+
+    from graphexec.kernels.norm_rope_triton import add_rms_norm
+
+    out = []
+    for i, (rows, d) in enumerate(shapes):
+        gen = torch.Generator(device=device).manual_seed(100 * i + shard.rank)
+        x = torch.randn(rows, d, device=device, dtype=torch.bfloat16, generator=gen)
+        gen.manual_seed(7 + i)
+        residual = 4 * torch.randn(rows, d, device=device, dtype=torch.bfloat16, generator=gen)
+        weight = 0.5 + torch.rand(d, device=device, dtype=torch.bfloat16, generator=gen)
+        eager = shard.all_reduce_norm(x.clone(), residual, weight, 1e-5, 0)
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = shard.all_reduce_norm(static, residual, weight, 1e-5, 1)
+        static.copy_(x)
+        graph.replay()
+        nccl = x.clone()
+        dist.all_reduce(nccl, group=shard.group)
+        separate = add_rms_norm(nccl, residual, weight, 1e-5)
+        torch.cuda.synchronize()
+        out.append([(t.x.cpu(), t.summed.cpu()) for t in (eager, captured)]
+                   + [tuple(t.cpu() for t in separate)])
+    return out
+
+
+def test_triton_all_reduce_with_the_norm_equals_nccl_then_the_norm(monkeypatch):
+    """The all-reduce that ends in the residual add and RMSNorm (Shard.all_reduce_norm over the
+    Triton reducer), eager and replayed: the residual stream bit for bit as NCCL's sum plus
+    the residual, the normed rows within one bf16 rounding of the norm kernel's (the squares
+    are summed in another order), and the same bits on both ranks."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
+    shapes = [(1, 4096), (64, 4096), (7, 2048), (2, 8192)]
+    ranks = on_every_rank(_reduce_and_norm_both_ways, (shapes,), 2, CUDA)
+    for i, shape in enumerate(shapes):
+        (want_normed, want_summed) = ranks[0][i][2]
+        assert torch.equal(ranks[1][i][2][1], want_summed), shape
+        ulp = 2 ** -7 * want_normed.float().abs().clamp_min(1e-3)
+        for rank in (0, 1):
+            for normed, summed in ranks[rank][i][:2]:
+                assert torch.equal(summed, want_summed), shape
+                assert torch.equal(normed, ranks[0][i][0][0]), shape
+                assert ((normed.float() - want_normed.float()).abs() <= ulp).all(), shape
+
+
 def _reduce_a_forward_in_a_graph(shard, device, sites: int, replays: int):
     """A graph of `sites` all-reduces in a row, slots alternating as the model's o and down
     do, replayed with new operands: every replay's operands and sums."""

@@ -73,6 +73,53 @@ def test_one_rank_at_a_time(dtype, n, slot):
         assert not areas.box(rank, 1 - slot, 1 - rank).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d,slot", [(1, 64, 0), (3, 96, 1), (2, 4096, 0)])
+def test_the_fused_add_and_norm_one_rank_at_a_time(dtype, rows, d, slot):
+    """all_reduce_add_rms_norm as test_one_rank_at_a_time runs the plain kernel: both ranks
+    get the residual sum bit for bit, and the normed rows within one rounding of the
+    reference in 16 bits (the kernel sums the squares in another order), a few in fp32; the
+    exchange leaves the boxes as the plain kernel does."""
+    areas = Areas(2)
+    x = [p.view(rows, d) for p in _parts(2, rows * d, dtype, seed=rows + d)]
+    g = torch.Generator().manual_seed(d)
+    residual = (torch.randn(rows, d, generator=g) * 4).to(dtype).to(DEV)
+    weight = (torch.rand(d, generator=g) + 0.5).to(dtype).to(DEV)
+    words = rows * d * x[0].element_size() // 4
+    areas.box(0, slot, 1)[:words] = _words(x[1]) | ar.ARRIVED
+    normed0, summed0 = ar.all_reduce_add_rms_norm(x[0], residual, weight, 1e-5,
+                                                  areas.buffers(0), slot, timeout_s=30)
+    assert torch.equal(areas.box(1, slot, 0)[:words], _words(x[0]) | ar.ARRIVED)
+    assert not areas.box(0, slot, 1).any()  # read and zeroed by rank 0
+    normed1, summed1 = ar.all_reduce_add_rms_norm(x[1], residual, weight, 1e-5,
+                                                  areas.buffers(1), slot, timeout_s=30)
+    want_normed, want_summed = ar.all_reduce_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(summed0, want_summed) and torch.equal(summed1, want_summed)
+    assert torch.equal(normed0, normed1)  # every rank the same bits
+    # fp32: the reference's rsqrt and mean round apart from the kernel's 1 / sqrt_rn(sum / d)
+    rounding = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
+    ulp = rounding * want_normed.float().abs().clamp_min(1e-3)
+    assert ((normed0.float() - want_normed.float()).abs() <= ulp).all()
+    assert not areas.box(1, slot, 0).any()  # read and zeroed by rank 1
+    assert torch.equal(areas.box(0, slot, 1)[:words], _words(x[1]) | ar.ARRIVED)
+
+
+def test_the_fused_norm_refuses_what_it_cannot_take():
+    areas = Areas(2)
+    x = torch.zeros(2, 64, dtype=torch.float16, device=DEV)
+    w = torch.ones(64, dtype=torch.float16, device=DEV)
+    assert ar.fits_norm(areas.buffers(0), x, x, w)
+    assert not ar.fits_norm(areas.buffers(0), x, x, w.float())  # weight of another dtype
+    assert not ar.fits_norm(areas.buffers(0), x, x[:1], w)  # residual of another shape
+    assert not ar.fits_norm(areas.buffers(0), x[:, :3], x[:, :3], w[:3])  # rows of 6 bytes
+    wide = torch.zeros(1, 2 * ar.MAX_ROW_WORDS + 2, dtype=torch.float16, device=DEV)
+    assert not ar.fits_norm(areas.buffers(0), wide, wide, wide[0])
+    with pytest.raises(ValueError, match="not a message the kernel takes"):
+        ar.all_reduce_add_rms_norm(x, x[:1], w, 1e-5, areas.buffers(0), 0)
+    with pytest.raises(ValueError, match="slot=3"):
+        ar.all_reduce_add_rms_norm(x, x, w, 1e-5, areas.buffers(0), 3)
+
+
 def test_a_message_of_the_wrong_shape_or_a_bad_slot_is_refused():
     areas = Areas(2)
     big = torch.zeros(MAX_WORDS + 1, dtype=torch.float32, device=DEV)

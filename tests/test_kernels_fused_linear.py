@@ -252,13 +252,15 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
 
 @kernel_test
 @pytest.mark.gpu
-def test_rank_sets_return_partial_sums_that_hold_the_residual_once(K):
-    """Under tensor parallelism (fused_ops(rank=r), through Ops.for_rank): o and down of each
-    rank return its partial sum, rank 0's with the residual added in the epilogue, the others'
-    on the same kernel without it; no norm is begun (a Prenormed of a partial sum would be
-    wrong) and no residual comes back. Summed over two ranks they give the whole projection
-    plus the residual; outside 33-64 rows, the plain projection and the residual."""
-    from graphexec.kernels import triton_ops
+def test_rank_sets_return_partial_sums_and_pass_the_residual_on(K):
+    """Under tensor parallelism (fused_ops(rank=r), through Ops.for_rank): o and down of every
+    rank return its partial sum alone, at 33-64 rows on linear_add's kernel without the add,
+    and hand the residual stream on for the all-reduce to add once; no norm is begun (a
+    Prenormed of a partial sum would be wrong). mlp of a Normed (its add and norm done by the
+    all-reduce before it) gives what mlp of the stream gives; norm_linear of one is the
+    projection alone, on the fused qkv config at 33-64 rows. Summed over two ranks, plus the
+    residual, they give the whole projections."""
+    from graphexec.kernels import Normed, triton_ops
 
     lf = K.lf
     h, inter = big((2048, 4096), (64, 96))
@@ -272,26 +274,41 @@ def test_rank_sets_return_partial_sums_that_hold_the_residual_once(K):
     gu = [torch.cat([w_gu[r * ih:(r + 1) * ih], w_gu[inter + r * ih:inter + (r + 1) * ih]])
           for r in (0, 1)]
     ranks = [triton_ops.TRITON_SINGLE_ROW_OPS.for_rank(r) for r in (0, 1)]
-    for m in (32, 64):
+    for m in (1, 32, 64):
         x, res = _randn((m, h), bf, 64), _randn((m, h), bf, 65)
+        normed, summed = K.lt._norm(x, res, nw, 1e-6)
         outs = [ops.out_linear(x[:, r * half:(r + 1) * half], w_o[:, r * half:(r + 1) * half],
                                res, nw) for r, ops in enumerate(ranks)]
         mlps = [ops.mlp(x, res, nw, 1e-6, gu[r], w_down[:, r * ih:(r + 1) * ih], nw)
                 for r, ops in enumerate(ranks)]
-        if m < triton_ops.FUSED_MIN_ROWS:
-            assert all(r is res for _, r in outs) and all(r is not None for _, r in mlps)
-            continue
-        assert all(r is None and isinstance(o, torch.Tensor) for o, r in outs + mlps)
-        assert torch.equal(outs[0][0], lf.linear_add(x[:, :half], w_o[:, :half], res))
-        assert torch.equal(outs[1][0], lf.linear_partial(x[:, half:], w_o[:, half:]))
+        given_normed = [ops.mlp(Normed(normed, summed, nw), None, nw, 1e-6, gu[r],
+                                w_down[:, r * ih:(r + 1) * ih], nw)
+                        for r, ops in enumerate(ranks)]
+        assert all(r is res and isinstance(o, torch.Tensor) for o, r in outs)
+        assert all(torch.equal(r, summed) for _, r in mlps)
+        assert all(r is summed for _, r in given_normed)
+        if m >= triton_ops.FUSED_MIN_ROWS:
+            for r in (0, 1):
+                cols = slice(r * half, (r + 1) * half)
+                assert torch.equal(outs[r][0], lf.linear_partial(x[:, cols], w_o[:, cols]))
+        qkv, r = ranks[1].norm_linear(Normed(normed, summed, nw), None, nw, 1e-6, w_o)
+        assert r is summed  # w_o stands for a small qkv weight
+        if m >= triton_ops.FUSED_MIN_ROWS:
+            cfg = lf.pick_fused_config(m, h, h, "qkv")
+            assert torch.equal(qkv, K.lt.linear(normed, w_o, config=cfg))
+        else:
+            assert torch.equal(qkv, ranks[1].linear(normed, w_o))
+        if m > 1:  # the same norm kernel either way (one row: the norm in gate_up's prologue)
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(mlps, given_normed))
         whole = (_ref_linear(x, w_o).float() + res.float()).to(bf)
-        _check((outs[0][0].float() + outs[1][0].float()).to(bf), whole, bf, "reduction")
-        normed, summed = K.lt._norm(x, res, nw, 1e-6)
+        _check((outs[0][0].float() + outs[1][0].float() + res.float()).to(bf), whole, bf,
+               "reduction")
         act = torch.nn.functional.silu((normed.float() @ w_gu.float().t())[:, :inter]) * (
             normed.float() @ w_gu.float().t())[:, inter:]
         want = (act @ w_down.float().t() + summed.float()).to(bf)
-        got = (mlps[0][0].float() + mlps[1][0].float()).to(bf)
-        assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+        for outputs in (mlps, given_normed):
+            got = (outputs[0][0].float() + outputs[1][0].float() + summed.float()).to(bf)
+            assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
 @kernel_test

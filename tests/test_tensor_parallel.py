@@ -16,7 +16,7 @@ from graphexec.config import EngineConfig
 from graphexec.model import load_model, preset, random_weights, resolve_model
 from graphexec.model.shard import Shard
 from lifecycle_helpers import check_blocks, collect, drain
-from tp_helpers import PROMPTS, sharded_logits
+from tp_helpers import PROMPTS, on_every_rank, sharded_logits
 
 G = dict(temperature=0.0, ignore_eos=True)
 ENGINE = dict(max_batch=4, num_kv_blocks=40, block_size=8, max_model_len=256, seed=3)
@@ -198,6 +198,23 @@ def test_sharded_forward_logits_equal_unsharded(hf_dirs, llama_gguf):
         rel = ((rank0 - whole).norm() / whole.norm()).item()
         assert rel < 1e-5, f"{model}: relative error {rel:.2e}"
         assert torch.equal(rank0.argmax(-1), whole.argmax(-1)), model
+
+
+def test_an_all_reduce_that_adds_and_norms_gives_the_same_logits():
+    """A reducer whose all-reduce also does the next residual add and norm (the Triton one's
+    fused kernel, here over gloo and the reference norm): every reduction but the last layer's
+    takes it, and the logits are those of the plain all-reduce and separate norms, bit for bit
+    (the same operations in the same order)."""
+    from tp_helpers import _logits_through_the_norming_reducer
+
+    models = ["tiny"]
+    plain = sharded_logits(models, 2)
+    fused = on_every_rank(_logits_through_the_norming_reducer, (models,), 2,
+                          torch.device("cpu"))
+    layers = preset("tiny").num_layers
+    for rank, (arrays, calls) in enumerate(fused):
+        assert calls == {"fused": 2 * layers - 1, "plain": 1}, calls
+        assert torch.equal(torch.from_numpy(arrays[0]), plain[rank][0])
 
 
 # -- engines ----------------------------------------------------------------------------------

@@ -100,3 +100,44 @@ def engine_in_a_process(model: str, opts: dict, reqs: list) -> tuple:
         return conn.recv()
     finally:
         _reap([p], 30)
+
+
+class NormingReducer:
+    """A reducer with the fused add + norm (parallel/symmetric.TritonAllReduce's interface)
+    over the group's own all-reduce and the reference norm: the model's path through
+    Shard.all_reduce_norm, on any device. calls counts the fused and the plain ones."""
+
+    def __init__(self, group):
+        self.group = group
+        self.calls = {"fused": 0, "plain": 0}
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return True
+
+    def fits_norm(self, t, residual, norm_weight) -> bool:
+        return True
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+        self.calls["plain"] += 1
+        return self._sum(t)
+
+    def add_rms_norm(self, t, residual, norm_weight, eps, slot):
+        from graphexec.kernels.rmsnorm import add_rms_norm_ref
+
+        self.calls["fused"] += 1
+        return add_rms_norm_ref(self._sum(t), residual, norm_weight, eps)
+
+
+def _logits_through_the_norming_reducer(shard, device: torch.device, models: list[str]):
+    from dataclasses import replace
+
+    reducer = NormingReducer(shard.group)
+    logits = _rank_logits(models, replace(shard, reducer=reducer), device, torch.float32)
+    return [t.numpy() for t in logits], reducer.calls

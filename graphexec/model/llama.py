@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from ..kernels import Ops
+from ..kernels import Normed, Ops
 from ..kernels.rope import rope_cos_sin
 from ..kernels.weight_order import link_next_weights
 from .config import ModelConfig
@@ -93,9 +93,9 @@ class LlamaModel:
         if shard.sharded:
             # o and down return partial sums here. An op set that adds the residual stream in
             # their epilogue would add it once per rank, and one that begins the next norm there
-            # would normalise a partial sum: its rank's variant (only rank 0 adds, no norm
-            # begun), or else the plain projections, the residual then added once, after the
-            # all-reduce, by the next norm.
+            # would normalise a partial sum: its rank's variant (partial sums only, no norm
+            # begun), or else the plain projections; the residual is added once, after the
+            # sum, by the all-reduce or the next norm (_reduce).
             ops = (ops.for_rank(shard.rank) if ops.for_rank is not None
                    else replace(ops, out_linear=None, mlp=None))
             whole = weights.lm_head.shape[0] == config.vocab_size  # a self-draft's is split
@@ -104,6 +104,8 @@ class LlamaModel:
                 weights = replace(weights, lm_head=shard.part(weights.lm_head, 0))
         self.weights = weights
         self.ops = ops
+        # a rank's op set takes a Normed where a norm_linear is due (Ops.for_rank)
+        self._ops_take_normed = shard.sharded and ops.mlp is not None
         device = weights.embed.device
         self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
                                           config.rope_scaling, device=device)
@@ -146,27 +148,51 @@ class LlamaModel:
             # the norm after this layer, which its last projection may half do (Prenormed)
             next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else None
             # Each norm feeds exactly one projection: one op, so a kernel may fuse the two.
-            qkv, residual = ops.norm_linear(h, residual, layer.input_norm, cfg.rms_norm_eps,
-                                            layer.qkv, layer.qkv_bias)
+            qkv, residual = self._norm_linear(h, residual, layer.input_norm, layer.qkv,
+                                              layer.qkv_bias)
             o = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
             # (h, residual): the stream is h + residual, or h when residual is None (an op set
-            # that adds in the projection's epilogue)
+            # that adds in the projection's epilogue); a sharded model's h is a partial sum,
+            # reduced (and, where it can, normed: a Normed) by _reduce.
             # o's sums are reduced in slot 0, down's in slot 1, so consecutive reductions
             # alternate in every forward (kernels/all_reduce_triton.py)
             if ops.out_linear is None:
-                h = self.shard.all_reduce(ops.linear(o, layer.o), 0)
+                h = ops.linear(o, layer.o)
             else:
                 h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm)
-                h = self.shard.all_reduce(h, 0)
+            h = self._reduce(h, residual, layer.post_norm, 0)
             if ops.mlp is None:
-                gate_up, residual = ops.norm_linear(h, residual, layer.post_norm,
-                                                    cfg.rms_norm_eps, layer.gate_up)
-                h = self.shard.all_reduce(ops.silu_mul_linear(gate_up, layer.down), 1)
+                gate_up, residual = self._norm_linear(h, residual, layer.post_norm,
+                                                      layer.gate_up)
+                h = ops.silu_mul_linear(gate_up, layer.down)
             else:
                 h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
                                       layer.gate_up, layer.down, next_norm)
-                h = self.shard.all_reduce(h, 1)
+            h = self._reduce(h, residual, next_norm, 1)
         return FinalHidden(h, residual)
+
+    def _norm_linear(self, h, residual, norm_weight, weight, bias=None):
+        """(projection of norm(h + residual), h + residual): ops.norm_linear, or for a Normed
+        h (the all-reduce before did the add and the norm) the projection alone."""
+        if isinstance(h, Normed):
+            assert h.norm_weight is norm_weight, "a Normed reaches only the norm it applied"
+            if not self._ops_take_normed:
+                return self.ops.linear(h.x, weight, bias), h.summed
+        return self.ops.norm_linear(h, residual, norm_weight, self.config.rms_norm_eps, weight,
+                                    bias)
+
+    def _reduce(self, h, residual, norm_weight, slot: int):
+        """A sharded model's partial sum h over the ranks: with the residual add and the norm
+        by norm_weight (the next one, None after the last layer) folded into the all-reduce
+        where the reducer can (a Normed), else the sum alone. h itself when not sharded."""
+        if not self.shard.sharded:
+            return h
+        if norm_weight is not None:
+            normed = self.shard.all_reduce_norm(h, residual, norm_weight,
+                                                self.config.rms_norm_eps, slot)
+            if normed is not None:
+                return normed
+        return self.shard.all_reduce(h, slot)
 
     def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:
         """[T, vocab] in the model's dtype: the final (add +) RMSNorm and the LM head, one op

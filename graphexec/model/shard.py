@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels import Normed
 from .config import ModelConfig
 
 
@@ -90,6 +91,20 @@ class Shard:
 
         dist.all_reduce(t, group=self.group)
         return t
+
+    def all_reduce_norm(self, t: torch.Tensor, residual: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float, slot: int) -> Normed | None:
+        """all_reduce(t, slot), then the residual add and RMSNorm that follow it in the model,
+        in one kernel where the reducer has one and takes these operands (a one-row step saves
+        the norm prologue each program of the next projection would repeat; a 64-row step the
+        norm's launch); None where it does not: the caller then all-reduces and norms apart.
+        The answer depends on shapes and dtypes only, so every rank takes the same path."""
+        fused = getattr(self.reducer, "add_rms_norm", None)
+        if (not self.sharded or fused is None or residual is None
+                or not self.reducer.fits_norm(t, residual, norm_weight)):
+            return None
+        normed, summed = fused(t, residual, norm_weight, eps, slot)
+        return Normed(normed, summed, norm_weight)
 
 
 UNSHARDED = Shard()

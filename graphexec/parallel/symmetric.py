@@ -42,6 +42,10 @@ import torch.distributed as dist
 ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
 
 
+# The Triton all-reduce ends in the residual add and RMSNorm that follow it in the model
+# (Shard.all_reduce_norm) where it can; False runs them as before, to compare.
+FUSED_NORM = True
+
 CHOICES = ("nccl", "triton", "symm_mem")
 DEFAULT = "triton"
 # Whether this process has mapped a symmetric buffer (module docstring).
@@ -129,14 +133,31 @@ class TritonAllReduce:
     def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
         consecutive all-reduces (the model's o and down)."""
+        self._check_slot(slot)
+        out = self._kernel.all_reduce(t, self.areas, slot)
+        self._last_slot = slot
+        return out
+
+    def fits_norm(self, t: torch.Tensor, residual: torch.Tensor,
+                  norm_weight: torch.Tensor) -> bool:
+        return FUSED_NORM and self._kernel.fits_norm(self.areas, t, residual, norm_weight)
+
+    def add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(sum + residual), sum + residual), the sum of every rank's t: one kernel
+        (all_reduce_triton.all_reduce_add_rms_norm); slot as __call__'s."""
+        self._check_slot(slot)
+        out = self._kernel.all_reduce_add_rms_norm(t, residual, norm_weight, eps, self.areas,
+                                                   slot)
+        self._last_slot = slot
+        return out
+
+    def _check_slot(self, slot: int) -> None:
         if slot == self._last_slot:
             # the kernel's race freedom rests on it (kernels/all_reduce_triton.py): a caller
             # that breaks it would hang or sum a box twice, so it fails here on the host
             raise RuntimeError(f"all-reduce slot {slot} twice in a row: the model's "
                                f"all-reduces must alternate slots 0 and 1")
-        out = self._kernel.all_reduce(t, self.areas, slot)
-        self._last_slot = slot
-        return out
 
 
 def pick(device: torch.device) -> str:
