@@ -246,13 +246,20 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                     tl.store(counter, 0)
 
 
+# Programs per SM the split count aims for. One: at 64 rows and 4 KV heads (llama-8b at
+# tensor_parallel_size 2, two H200s, 2026-11-26) the step took 3.362 ms against 3.463 with the
+# 3 this replaced (2 splits a row against 1) and 3.519 with 6; batch 1 was level (2.417 / 2.418;
+# 4 splits either way), and every row and head already filled the GPU once at size 1.
+SPLIT_WAVES = 1
+
+
 def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_n: int,
                        device: torch.device) -> int:
-    """From host-known sizes only: enough programs to fill the GPU a few times over, no more
-    splits than tiles the block table can address."""
+    """From host-known sizes only: enough programs to fill the GPU SPLIT_WAVES times over, no
+    more splits than tiles the block table can address."""
     max_tiles = max(1, triton.cdiv(max_blocks * block_size, block_n))
     programs = max(1, b * hk)
-    target = 3 * _sm_count(device)
+    target = SPLIT_WAVES * _sm_count(device)
     splits = triton.cdiv(target, programs)
     return max(1, min(splits, max_tiles, 64))
 

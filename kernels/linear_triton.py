@@ -327,21 +327,29 @@ def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, M, N,
                   tl.program_id(1), M, nw_ptr, g_ptr, ss_ptr)
 
 
+LONG_K = 8192  # pick_config's one-row rule
+
+
 def pick_config(m: int, n: int, k: int) -> LinearConfig:
     """Per-shape launch parameters, from tools/tune_linear.py on an H100 (llama-1b shapes,
     docs/benchmarks.md, 2026-11-23): the fastest candidate per row count, rounded to one rule.
 
-    M = 1: many small CUDA-core programs (4 columns each, 1024+ programs for every Llama shape),
-    2048-wide K steps (all of llama-1b's 2048-wide inputs in one: under programmatic dependent
-    launch a program fetches its whole weight slice before waiting for the previous kernel;
-    llama-1b batch 1 decode step 1.148 -> 1.111 ms against 512-wide steps, where 512 had been
-    the best without PDL), the down projection's long K included (1024-wide steps there: 1.112
-    ms; 2048: 1.063, tools/decode_variants.py, 2026-11-24); no split. M > 1: tensor-core
+    M = 1: many small CUDA-core programs, no split; under programmatic dependent launch a
+    program fetches its first weight tile before waiting for the previous kernel. 8 columns x
+    1024-wide K steps, but 4 x 2048 for a long K (8192+: the down projections of llama-1b and
+    llama-8b), where 1024-wide steps doubled each program's serial walk. On two H200s
+    (2026-11-26, docs/benchmarks.md "Tensor parallelism"), against 4 x 2048 everywhere (the
+    rule before): llama-8b's batch-1 step 2.431 against 2.630 ms at tensor_parallel_size 2
+    (4 x 1024: 2.565) and 4.085 against 4.138 at size 1; llama-1b's 0.885 against 0.866 with
+    8 x 1024 everywhere, 0.890 with 8 x 1024 for the down projection alone. 4 x 2048 had come
+    from llama-1b on an H100, where 2048-wide steps beat 512-wide ones (1.148 -> 1.111 ms a
+    step) and the down projection's 1024-wide ones (1.112 -> 1.063, tools/decode_variants.py,
+    2026-11-24). M > 1: tensor-core
     tiles with 4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
     split only when it is longer than N (the down projection), where few output tiles each walk
     a long reduction; elsewhere the partial-sum kernel cost more than the programs it added."""
     if m == 1:
-        return LinearConfig(1, 4, 2048)
+        return LinearConfig(1, 4, 2048) if k >= LONG_K else LinearConfig(1, 8, 1024)
     block_m = 16 if m <= 16 else 64
     wide = n >= 16384
     block_n = 64 if wide else (32 if n >= 3072 or block_m == 64 else 16)

@@ -6,6 +6,8 @@ real decode step, which tools/tune_linear.py, timing projections one at a time, 
 
 One-row projection configs (kernels/linear_triton.py, M = 1; other row counts keep pick_config):
   shipped     everything as it is
+  plain4x2048 the projections without a fused norm 4 columns x 2048-wide K steps: the rule
+              before 8 x 1024 (2026-11-26)
   k512        4 columns x 512-wide K steps (1024 for K >= 8192), fused norm 8 x 1024: the rule
               before 2048-wide steps
   k2048w8     4 x 2048 everywhere (down included), fused norm 4 x 2048, 8 warps
@@ -102,13 +104,14 @@ from graphexec.kernels import linear_triton as lt  # noqa: E402
 
 
 def _one_row_rule(block_k: int, long_block_k: int, warps: int, norm_cols: int,
-                  norm_block_k: int):
+                  norm_block_k: int, cols: int = 4):
     shipped, shipped_norm = lt.pick_config, lt.pick_norm_config
 
     def pick(m, n, k):
         if m != 1:
             return shipped(m, n, k)
-        return lt.LinearConfig(1, 4, long_block_k if k >= 8192 else block_k, num_warps=warps)
+        return lt.LinearConfig(1, cols, long_block_k if k >= 8192 else block_k,
+                               num_warps=warps)
 
     def pick_norm(m, n, k):
         if m != 1:
@@ -141,6 +144,7 @@ def _auto_with(down: bool, lm_head: bool):
 VARIANTS = {
     "shipped": None,
     "k512": lambda: _one_row_rule(512, 1024, 4, 8, 1024),
+    "plain4x2048": lambda: _one_row_rule(2048, 2048, 4, 8, 1024),
     "k2048w8": lambda: _one_row_rule(2048, 2048, 8, 4, 2048),
     "down1024": lambda: _one_row_rule(2048, 1024, 4, 8, 1024),
     "norm2048": lambda: _one_row_rule(2048, 1024, 4, 8, 2048),
