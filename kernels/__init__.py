@@ -49,6 +49,11 @@ class Ops:
     # norm_linear and mlp also take a Normed; None: a sharded model drops out_linear and mlp and composes the
     # plain projections.
     for_rank: Callable[[int], "Ops"] | None = None
+    # Whether a sharded model may let the all-reduce also do the next residual add and norm
+    # (Shard.all_reduce_norm). It takes that path only for messages that fit its kernel, and
+    # its norm sums the squares in another order than the norm kernel, so a row's bits would
+    # depend on the step's token count: a batch-invariant set says no.
+    all_reduce_norm: bool = True
 
 
 @dataclass(frozen=True)

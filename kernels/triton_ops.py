@@ -292,4 +292,4 @@ BATCH_INVARIANT_OPS = replace(TRITON_OPS, name="triton-batch-invariant",
                               prefill_attention=attention_triton.prefill_attention_invariant,
                               # the separate rope_write_kv: prefill writes KV with it, and a
                               # recompute must rebuild those bits exactly
-                              rope_decode_attention=None)
+                              rope_decode_attention=None, all_reduce_norm=False)

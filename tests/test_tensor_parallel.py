@@ -204,7 +204,8 @@ def test_an_all_reduce_that_adds_and_norms_gives_the_same_logits():
     """A reducer whose all-reduce also does the next residual add and norm (the Triton one's
     fused kernel, here over gloo and the reference norm): every reduction but the last layer's
     takes it, and the logits are those of the plain all-reduce and separate norms, bit for bit
-    (the same operations in the same order)."""
+    (the same operations in the same order). An op set that refuses it (a batch-invariant one)
+    never gets it."""
     from tp_helpers import _logits_through_the_norming_reducer
 
     models = ["tiny"]
@@ -212,9 +213,14 @@ def test_an_all_reduce_that_adds_and_norms_gives_the_same_logits():
     fused = on_every_rank(_logits_through_the_norming_reducer, (models,), 2,
                           torch.device("cpu"))
     layers = preset("tiny").num_layers
-    for rank, (arrays, calls) in enumerate(fused):
+    for rank, (arrays, calls, refused) in enumerate(fused):
         assert calls == {"fused": 2 * layers - 1, "plain": 1}, calls
         assert torch.equal(torch.from_numpy(arrays[0]), plain[rank][0])
+        assert refused == {"fused": 0, "plain": 2 * layers}, refused
+    from graphexec.kernels import triton_ops
+
+    assert triton_ops.TRITON_SINGLE_ROW_OPS.all_reduce_norm
+    assert not triton_ops.BATCH_INVARIANT_OPS.all_reduce_norm
 
 
 # -- engines ----------------------------------------------------------------------------------

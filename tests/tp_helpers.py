@@ -136,8 +136,18 @@ class NormingReducer:
 
 
 def _logits_through_the_norming_reducer(shard, device: torch.device, models: list[str]):
+    """Per model, the logits through a NormingReducer and its calls; then the calls of one
+    more forward whose op set refuses the fused norm (Ops.all_reduce_norm)."""
     from dataclasses import replace
+
+    from graphexec.kernels import REFERENCE_OPS
+    from test_hf_parity import _graphexec_prefill_logits
 
     reducer = NormingReducer(shard.group)
     logits = _rank_logits(models, replace(shard, reducer=reducer), device, torch.float32)
-    return [t.numpy() for t in logits], reducer.calls
+    calls = dict(reducer.calls)
+    refusing = NormingReducer(shard.group)
+    _graphexec_prefill_logits(models[0], device, torch.float32, PROMPTS,
+                              ops=replace(REFERENCE_OPS, all_reduce_norm=False),
+                              shard=replace(shard, reducer=refusing))
+    return [t.numpy() for t in logits], calls, refusing.calls

@@ -184,10 +184,11 @@ class LlamaModel:
     def _reduce(self, h, residual, norm_weight, slot: int):
         """A sharded model's partial sum h over the ranks: with the residual add and the norm
         by norm_weight (the next one, None after the last layer) folded into the all-reduce
-        where the reducer can (a Normed), else the sum alone. h itself when not sharded."""
+        where the reducer can and the op set allows (a Normed), else the sum alone. h itself
+        when not sharded."""
         if not self.shard.sharded:
             return h
-        if norm_weight is not None:
+        if norm_weight is not None and self.ops.all_reduce_norm:
             normed = self.shard.all_reduce_norm(h, residual, norm_weight,
                                                 self.config.rms_norm_eps, slot)
             if normed is not None:
