@@ -44,11 +44,12 @@ class Ops:
     # rope_write_kv + decode_attention in one op, for decode batches whose rows are distinct
     # sequences; None: the model calls the two.
     rope_decode_attention: Callable | None = None
-    # rank -> the set for that tensor-parallel rank, whose out_linear and mlp return partial
-    # sums without the residual (passed through) for the model to all-reduce, and whose
-    # norm_linear and mlp also take a Normed; None: a sharded model drops out_linear and mlp and composes the
-    # plain projections.
+    # rank -> the set for that tensor-parallel rank (its rank_set True), whose out_linear and
+    # mlp return partial sums without the residual (passed through) for the model to
+    # all-reduce, and whose norm_linear and mlp also take a Normed; None: a sharded model drops
+    # out_linear and mlp and composes the plain projections.
     for_rank: Callable[[int], "Ops"] | None = None
+    rank_set: bool = False
     # Whether a sharded model may let the all-reduce also do the next residual add and norm
     # (Shard.all_reduce_norm). It takes that path only for messages that fit its kernel, and
     # its norm sums the squares in another order than the norm kernel, so a row's bits would

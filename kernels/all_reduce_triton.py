@@ -306,8 +306,9 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
                             eps: float, areas: PeerAreas, slot: int,
                             timeout_s: float = TIMEOUT_S) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce(x) followed by the residual add and RMSNorm that come next in the model, in
-    one kernel: (norm(sum + residual), sum + residual), as kernels/rmsnorm.add_rms_norm_ref
-    rounds them. The sum itself is not stored. Saves the norm's launch and its round trip
+    one kernel: (norm(sum + residual), sum + residual), with kernels/rmsnorm.add_rms_norm_ref's
+    rounding points (the sum bit for bit, the norm within one rounding: the squares are summed
+    in another order). The sum itself is not stored. Saves the norm's launch and its round trip
     through memory, and lets the projection after it skip a norm prologue that each of its
     programs would repeat. Arguments as all_reduce's; x: [rows, d]."""
     if not fits_norm(areas, x, residual, weight):

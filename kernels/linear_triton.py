@@ -336,8 +336,9 @@ def pick_config(m: int, n: int, k: int) -> LinearConfig:
 
     M = 1: many small CUDA-core programs, no split; under programmatic dependent launch a
     program fetches its first weight tile before waiting for the previous kernel. 8 columns x
-    1024-wide K steps, but 4 x 2048 for a long K (8192+: the down projections of llama-1b and
-    llama-8b), where 1024-wide steps doubled each program's serial walk. On two H200s
+    1024-wide K steps, but 4 x 2048 for a long K (8192+: the down projections of llama-1b, and
+    of llama-8b at size 1; at tensor_parallel_size 2 its K is 7168), where 1024-wide steps
+    doubled each program's serial walk. On two H200s
     (2026-11-26, docs/benchmarks.md "Tensor parallelism"), against 4 x 2048 everywhere (the
     rule before): llama-8b's batch-1 step 2.431 against 2.630 ms at tensor_parallel_size 2
     (4 x 1024: 2.565) and 4.085 against 4.138 at size 1; llama-1b's 0.885 against 0.866 with

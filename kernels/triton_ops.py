@@ -268,7 +268,8 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
                    rope_decode_attention=(None if base.rope_decode_attention is None
                                           else rope_decode_attention),
                    for_rank=None if rank is not None else (
-                       lambda r: fused_ops(base, min_rows, max_rows, rank=r)))
+                       lambda r: fused_ops(base, min_rows, max_rows, rank=r)),
+                   rank_set=rank is not None)
 
 
 # Triton for one-row batches only, where it measured faster than cuBLAS on every projection

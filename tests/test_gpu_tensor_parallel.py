@@ -32,6 +32,20 @@ def test_sharded_bf16_logits_as_close_to_fp32_as_one_rank(hf_dirs_moderate):
         assert _rel(ranks[0][i], exact) <= 2 * _rel(one, exact) + 1e-3, model
 
 
+def test_sharded_bf16_logits_over_the_epilogue_fused_rows(hf_dirs_moderate):
+    """A prefill of 40 tokens, inside the 33-64 rows where each rank runs the epilogue-fused
+    projections and the default all-reduce hands them its Normed rows: both ranks see the same
+    logits, within twice one rank's bf16 error of the fp32 model."""
+    prompts = [[5 + (7 * i) % 300 for i in range(24)], [9 + (11 * i) % 300 for i in range(16)]]
+    models = [hf_dirs_moderate["llama"][0], hf_dirs_moderate["qwen2"][0]]
+    ranks = sharded_logits(models, 2, CUDA, torch.bfloat16, prompts)
+    for i, model in enumerate(models):
+        assert torch.equal(ranks[0][i], ranks[1][i]), model
+        exact = torch.cat(_graphexec_prefill_logits(model, CUDA, torch.float32, prompts)).cpu()
+        one = torch.cat(_graphexec_prefill_logits(model, CUDA, torch.bfloat16, prompts)).cpu()
+        assert _rel(ranks[0][i], exact) <= 2 * _rel(one, exact) + 1e-3, model
+
+
 def test_sharded_bf16_logits_match_transformers(hf_dirs_moderate):
     """The HF parity test at size 2: the checkpoint's fp32 logits in transformers."""
     for arch in ("llama", "qwen2", "qwen3"):
@@ -169,7 +183,8 @@ def test_triton_all_reduce_with_the_norm_equals_nccl_then_the_norm(monkeypatch):
     the residual, the normed rows within one bf16 rounding of the norm kernel's (the squares
     are summed in another order), and the same bits on both ranks."""
     monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
-    shapes = [(1, 4096), (64, 4096), (7, 2048), (2, 8192)]
+    # (3, 1000): rows of 500 words, whose pushes cannot all be 16-byte stores
+    shapes = [(1, 4096), (64, 4096), (7, 2048), (2, 8192), (3, 1000)]
     ranks = on_every_rank(_reduce_and_norm_both_ways, (shapes,), 2, CUDA)
     for i, shape in enumerate(shapes):
         (want_normed, want_summed) = ranks[0][i][2]

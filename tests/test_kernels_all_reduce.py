@@ -89,7 +89,9 @@ def test_the_fused_add_and_norm_one_rank_at_a_time(dtype, rows, d, slot):
     areas.box(0, slot, 1)[:words] = _words(x[1]) | ar.ARRIVED
     normed0, summed0 = ar.all_reduce_add_rms_norm(x[0], residual, weight, 1e-5,
                                                   areas.buffers(0), slot, timeout_s=30)
-    assert torch.equal(areas.box(1, slot, 0)[:words], _words(x[0]) | ar.ARRIVED)
+    pushed = areas.box(1, slot, 0)
+    assert torch.equal(pushed[:words], _words(x[0]) | ar.ARRIVED)
+    assert not pushed[words:].any()  # nothing past the last row
     assert not areas.box(0, slot, 1).any()  # read and zeroed by rank 0
     normed1, summed1 = ar.all_reduce_add_rms_norm(x[1], residual, weight, 1e-5,
                                                   areas.buffers(1), slot, timeout_s=30)
@@ -102,6 +104,10 @@ def test_the_fused_add_and_norm_one_rank_at_a_time(dtype, rows, d, slot):
     assert ((normed0.float() - want_normed.float()).abs() <= ulp).all()
     assert not areas.box(1, slot, 0).any()  # read and zeroed by rank 1
     assert torch.equal(areas.box(0, slot, 1)[:words], _words(x[1]) | ar.ARRIVED)
+    for rank in range(2):  # a rank's own box is never written, nor the other slot
+        for s in range(2):
+            assert not areas.box(rank, s, rank).any()
+        assert not areas.box(rank, 1 - slot, 1 - rank).any()
 
 
 def test_the_fused_norm_refuses_what_it_cannot_take():
@@ -111,7 +117,9 @@ def test_the_fused_norm_refuses_what_it_cannot_take():
     assert ar.fits_norm(areas.buffers(0), x, x, w)
     assert not ar.fits_norm(areas.buffers(0), x, x, w.float())  # weight of another dtype
     assert not ar.fits_norm(areas.buffers(0), x, x[:1], w)  # residual of another shape
-    assert not ar.fits_norm(areas.buffers(0), x[:, :3], x[:, :3], w[:3])  # rows of 6 bytes
+    six = torch.zeros(2, 3, dtype=torch.float16, device=DEV)  # 12 bytes, rows of 6
+    assert ar.fits(areas.buffers(0), six)
+    assert not ar.fits_norm(areas.buffers(0), six, six, w[:3])
     wide = torch.zeros(1, 2 * ar.MAX_ROW_WORDS + 2, dtype=torch.float16, device=DEV)
     assert not ar.fits_norm(areas.buffers(0), wide, wide, wide[0])
     with pytest.raises(ValueError, match="not a message the kernel takes"):

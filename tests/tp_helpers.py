@@ -9,11 +9,11 @@ from graphexec.parallel import process_group
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
 
 
-def _rank_logits(models: list[str], shard, device: torch.device,
-                 dtype: torch.dtype) -> list[torch.Tensor]:
+def _rank_logits(models: list[str], shard, device: torch.device, dtype: torch.dtype,
+                 prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
     from test_hf_parity import _graphexec_prefill_logits
 
-    return [torch.cat(_graphexec_prefill_logits(m, device, dtype, PROMPTS, shard=shard)).float()
+    return [torch.cat(_graphexec_prefill_logits(m, device, dtype, prompts, shard=shard)).float()
             .cpu() for m in models]
 
 
@@ -68,15 +68,17 @@ def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
         _reap([p for p, _ in spawned], 10)
 
 
-def _logits_as_arrays(shard, device: torch.device, models: list[str], dtype: torch.dtype):
-    return [t.numpy() for t in _rank_logits(models, shard, device, dtype)]
+def _logits_as_arrays(shard, device: torch.device, models: list[str], dtype: torch.dtype,
+                      prompts: list[list[int]]):
+    return [t.numpy() for t in _rank_logits(models, shard, device, dtype, prompts)]
 
 
 def sharded_logits(models: list[str], size: int, device: torch.device = torch.device("cpu"),
-                   dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
-    """Per rank, per model: the prefill logits of PROMPTS (fp32, on the CPU) with the weights
+                   dtype: torch.dtype = torch.float32,
+                   prompts: list[list[int]] = PROMPTS) -> list[list[torch.Tensor]]:
+    """Per rank, per model: the prefill logits of prompts (fp32, on the CPU) with the weights
     split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
-    ranks = on_every_rank(_logits_as_arrays, (models, dtype), size, device)
+    ranks = on_every_rank(_logits_as_arrays, (models, dtype, prompts), size, device)
     return [[torch.from_numpy(a) for a in arrays] for arrays in ranks]
 
 

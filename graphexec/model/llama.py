@@ -95,9 +95,11 @@ class LlamaModel:
             # their epilogue would add it once per rank, and one that begins the next norm there
             # would normalise a partial sum: its rank's variant (partial sums only, no norm
             # begun), or else the plain projections; the residual is added once, after the
-            # sum, by the all-reduce or the next norm (_reduce).
-            ops = (ops.for_rank(shard.rank) if ops.for_rank is not None
-                   else replace(ops, out_linear=None, mlp=None))
+            # sum, by the all-reduce or the next norm (_reduce). A self-draft gets its target's
+            # set, a rank's already.
+            if not ops.rank_set:
+                ops = (ops.for_rank(shard.rank) if ops.for_rank is not None
+                       else replace(ops, out_linear=None, mlp=None))
             whole = weights.lm_head.shape[0] == config.vocab_size  # a self-draft's is split
             if whole and shard.splits_vocab(config.vocab_size):
                 # a copy of this rank's rows (tied embeddings keep the whole table for lookup)
@@ -105,7 +107,7 @@ class LlamaModel:
         self.weights = weights
         self.ops = ops
         # a rank's op set takes a Normed where a norm_linear is due (Ops.for_rank)
-        self._ops_take_normed = shard.sharded and ops.mlp is not None
+        self._ops_take_normed = shard.sharded and ops.rank_set
         device = weights.embed.device
         self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
                                           config.rope_scaling, device=device)
