@@ -52,7 +52,7 @@ def compiled(monkeypatch):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from graphexec.kernels import attention_triton, linear_triton
+    from graphexec.kernels import attention_triton, linear_fused_triton, linear_triton
 
     out: list = []
     touched: set = set()
@@ -70,8 +70,11 @@ def compiled(monkeypatch):
     # The wrappers send CPU tensors to torch; let them take the kernel path anyway.
     monkeypatch.setattr(linear_triton, "_INTERPRET", False)
     orig_supported = linear_triton.supported
-    monkeypatch.setattr(linear_triton, "supported", lambda x, *a, **k: orig_supported(
-        x, *a, **k) or _would_support(orig_supported, x, *a, **k))
+    supported = lambda x, *a, **k: orig_supported(  # noqa: E731
+        x, *a, **k) or _would_support(orig_supported, x, *a, **k)
+    monkeypatch.setattr(linear_triton, "supported", supported)
+    # linear_fused_triton holds its own name for it, bound when some earlier test imported it
+    monkeypatch.setattr(linear_fused_triton, "supported", supported)
     try:
         yield out
     finally:
