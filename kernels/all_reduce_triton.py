@@ -256,6 +256,11 @@ class PeerAreas:
         return 2 * world * max_words * 8
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's bytes as int32 words, the unit the kernels move."""
+    return t.view(-1).view(torch.int32)
+
+
 def fits(areas: PeerAreas, x: torch.Tensor) -> bool:
     """Whether x can go through the kernel: a dtype it sums, contiguous, whole and aligned
     4-byte words, not empty (an empty message would send no words, and the slots would no
@@ -281,7 +286,7 @@ def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
     source_words = areas.max_words
     dependent = pdl.enabled(x, projection=False)
     _all_reduce_kernel[(triton.cdiv(n_words, BLOCK),)](
-        x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), areas.area_ptrs, n_words,
+        _words(x), _words(out), areas.area_ptrs, n_words,
         slot * areas.world * source_words, source_words, int(timeout_s * 1e9),
         RANK=areas.rank, WORLD=areas.world, DTYPE=_TL_DTYPES[x.dtype], BLOCK=BLOCK,
         TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent,
@@ -323,10 +328,9 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     block = triton.next_power_of_2(row_words)
     warps = max(4, min(16, block // (32 * NORM_WORDS_PER_THREAD)))
     normed, summed = torch.empty_like(x), torch.empty_like(x)
-    words = lambda t: t.view(-1).view(torch.int32)
     dependent = pdl.enabled(x, projection=False)
     _all_reduce_add_rms_norm_kernel[(rows,)](
-        words(x), words(residual), words(weight), words(normed), words(summed),
+        _words(x), _words(residual), _words(weight), _words(normed), _words(summed),
         areas.area_ptrs, row_words, d, float(eps), slot * areas.world * areas.max_words,
         areas.max_words, int(timeout_s * 1e9), RANK=areas.rank, WORLD=areas.world,
         DTYPE=_TL_DTYPES[x.dtype], BLOCK=block, TIMED=not _INTERPRET, THREADS=32 * warps,

@@ -338,15 +338,14 @@ def pick_config(m: int, n: int, k: int) -> LinearConfig:
     program fetches its first weight tile before waiting for the previous kernel. 8 columns x
     1024-wide K steps, but 4 x 2048 for a long K (8192+: the down projections of llama-1b, and
     of llama-8b at size 1; at tensor_parallel_size 2 its K is 7168), where 1024-wide steps
-    doubled each program's serial walk. On two H200s
-    (2026-11-26, docs/benchmarks.md "Tensor parallelism"), against 4 x 2048 everywhere (the
-    rule before): llama-8b's batch-1 step 2.431 against 2.630 ms at tensor_parallel_size 2
-    (4 x 1024: 2.565) and 4.085 against 4.138 at size 1; llama-1b's 0.885 against 0.866 with
-    8 x 1024 everywhere, 0.890 with 8 x 1024 for the down projection alone. 4 x 2048 had come
-    from llama-1b on an H100, where 2048-wide steps beat 512-wide ones (1.148 -> 1.111 ms a
-    step) and the down projection's 1024-wide ones (1.112 -> 1.063, tools/decode_variants.py,
-    2026-11-24). M > 1: tensor-core
-    tiles with 4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
+    doubled each program's serial walk. On two H200s (2026-11-26, docs/benchmarks.md "Tensor
+    parallelism"), against 4 x 2048 everywhere (the rule before): llama-8b's batch-1 step 2.431
+    against 2.630 ms at tensor_parallel_size 2 (4 x 1024: 2.565) and 4.085 against 4.138 at
+    size 1; llama-1b's 0.885 against 0.866 with 8 x 1024 everywhere, 0.890 with 8 x 1024 for
+    the down projection alone. 4 x 2048 had come from llama-1b on an H100, where 2048-wide
+    steps beat 512-wide ones (1.148 -> 1.111 ms a step) and the down projection's 1024-wide
+    ones (1.112 -> 1.063, tools/decode_variants.py, 2026-11-24). M > 1: tensor-core tiles with
+    4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
     split only when it is longer than N (the down projection), where few output tiles each walk
     a long reduction; elsewhere the partial-sum kernel cost more than the programs it added."""
     if m == 1:
