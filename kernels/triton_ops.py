@@ -137,6 +137,12 @@ def auto_ops(max_rows: int) -> Ops:
 # 3072 x 2048 at batch 64 1.4415 / 1.4386 ms a step against 1.4767 / 1.4811, at 48 1.4525
 # against 1.4934; llama-8b's 6144 x 4096 6.759 against 6.6606 (H100, 2026-11-24, 659e267).
 FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
+# The same for a tensor-parallel rank's qkv, whose input the all-reduce has already normed:
+# llama-8b at tensor_parallel_size 2 (3072 x 4096 a rank), batch 64, 3.337 / 3.339 / 3.339 ms
+# a step against 3.368 / 3.365 on cuBLAS (two H200s, 2026-11-26), though alone the kernel is
+# slower (11.4 us against cuBLAS's 9.96, tools/tune_fused.py --tp 2): as a programmatic
+# dependent it starts during the all-reduce before it.
+RANK_QKV_TRITON_MAX_ELEMENTS = 16 << 20
 
 
 # The LM head of a 33-64-row batch on the tensor-core Triton kernel (after the norm kernel, as a
@@ -188,7 +194,7 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
 
     def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
         if isinstance(x, Normed):  # a rank's qkv input, normed by the all-reduce before it
-            triton_qkv = fused(x) and weight.numel() <= FUSED_QKV_TRITON_MAX_ELEMENTS
+            triton_qkv = fused(x) and weight.numel() <= RANK_QKV_TRITON_MAX_ELEMENTS
             last_qkv_triton[0] = triton_qkv
             if not triton_qkv:
                 return base.linear(x.x, weight, bias), x.summed
