@@ -282,7 +282,8 @@ def _decode_blocks(d: int, rows: int | None = None) -> tuple[int, int]:
 
 # Launch knobs of the split kernel that tools (bench_kernels.py --sweep-attention,
 # decode_variants.py) set to compare alternatives: block_n (keys per tile), num_warps,
-# num_stages, merge (1: in-kernel split merge, 0: a reduce launch). Empty: the defaults.
+# num_stages, merge (1: in-kernel split merge, 0: a reduce launch), num_splits (splits a row
+# at most, instead of _decode_num_splits'). Empty: the defaults.
 DECODE_TUNING: dict[str, int] = {}
 
 
@@ -414,7 +415,8 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d, block_n = _decode_blocks(d, None if invariant else b)
     m = block_tables.shape[1]
     if num_splits is None:
-        num_splits = _decode_num_splits(split_rows or b, hk, m, bs, block_n, q.device)
+        num_splits = DECODE_TUNING.get("num_splits") or _decode_num_splits(
+            split_rows or b, hk, m, bs, block_n, q.device)
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, int(MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles))
     direct = num_splits == 1

@@ -46,7 +46,7 @@ def _graph_us(fn, xs: list[torch.Tensor]) -> float:
     return start.elapsed_time(end) * 1e3 / REPLAYS / len(xs)
 
 
-def _rank(rank: int, size: int, port: int, kib: list[int], conn) -> None:
+def _rank(rank: int, size: int, port: int, kib: list[int], conn, norm_width: int = 0) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     store = process_group.connect_store(port, size)
@@ -58,8 +58,17 @@ def _rank(rank: int, size: int, port: int, kib: list[int], conn) -> None:
         # (NCCL sums in place: the operands grow by 2x a replay, harmless in bf16's range)
         ours = _graph_us(lambda x, i: shard.all_reduce(x, i % 2), xs)
         nccl = _graph_us(lambda x, i: dist.all_reduce(x, group=shard.group), xs)
-        rows.append(dict(kib=k, reducer=type(shard.reducer).__name__ if fits else "NCCL",
-                         us=ours, nccl_us=nccl))
+        row = dict(kib=k, reducer=type(shard.reducer).__name__ if fits else "NCCL",
+                   us=ours, nccl_us=nccl)
+        if norm_width:  # the all-reduce with the residual add and the next RMSNorm
+            shaped = [x.view(-1, norm_width) for x in xs]
+            residual = torch.randn_like(shaped[0])
+            weight = torch.ones(norm_width, device=device, dtype=torch.bfloat16)
+            if shard.reducer is not None and shard.reducer.fits_norm(shaped[0], residual,
+                                                                     weight):
+                row["norm_us"] = _graph_us(lambda x, i: shard.reducer.add_rms_norm(
+                    x, residual, weight, 1e-5, i % 2), shaped)
+        rows.append(row)
     conn.send(rows)
     process_group.leave_process_group()
 
@@ -68,13 +77,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--kib", nargs="+", type=int, default=[8, 64, 512, 1024, 2048, 4096])
+    ap.add_argument("--norm-width", type=int, default=0,
+                    help="also time the all-reduce with the residual add and RMSNorm fused, "
+                         "the message as rows of this many elements (llama-8b: 4096)")
     args = ap.parse_args()
     store = process_group.host_store(args.tp)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for rank in range(args.tp):
         ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_rank, args=(rank, args.tp, store.port, args.kib, theirs))
+        p = ctx.Process(target=_rank, args=(rank, args.tp, store.port, args.kib, theirs,
+                                                args.norm_width))
         p.start()
         theirs.close()
         pipes.append(ours)
@@ -89,7 +102,8 @@ def main() -> None:
         worst = max(r[i]["us"] for r in results)
         worst_nccl = max(r[i]["nccl_us"] for r in results)
         print(f"{row['kib']:6d} KiB  {row['reducer']:>14s} {row['us']:7.2f} ({worst:.2f})"
-              f"   NCCL {row['nccl_us']:7.2f} ({worst_nccl:.2f})")
+              f"   NCCL {row['nccl_us']:7.2f} ({worst_nccl:.2f})"
+              + (f"   with add + norm {row['norm_us']:7.2f}" if "norm_us" in row else ""))
     print(json.dumps(dict(kind=kind, tp=args.tp, rows=results)))
 
 

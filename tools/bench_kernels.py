@@ -11,6 +11,7 @@ the llama-1b decode forward at batch 1 (bench_forward; alone: --forward) against
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -302,23 +303,38 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
 
 
 # (name, batch, context, q heads, kv heads, head dim): the decode attention of llama-1b's
-# benchmark at batch 1 and 64, a long batch-1 row, and Llama-8B's batch 64 x 2048 case
+# benchmark at batch 1 and 64, a long batch-1 row, Llama-8B's batch 64 x 2048 case, and
+# llama-8b's benchmark at batch 64 whole and as one rank of tensor_parallel_size 2 holds it
 SWEEP_SHAPES = [("b1_ctx192_d64", 1, 192, 32, 8, 64), ("b64_ctx192_d64", 64, 192, 32, 8, 64),
                 ("b1_ctx8192_d64", 1, 8192, 32, 8, 64),
-                ("b64_ctx2048_d128", 64, 2048, 32, 8, 128)]
+                ("b64_ctx2048_d128", 64, 2048, 32, 8, 128),
+                ("b64_ctx192_d128", 64, 192, 32, 8, 128),
+                ("b64_ctx192_d128_tp2", 64, 192, 16, 4, 128)]
+
+
+SWEEP_LAYERS = 8
 
 
 def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
-                    warps=(2, 4, 8), stages=(2, 3)) -> dict:
+                    warps=(2, 4, 8), stages=(2, 3), shapes: list[str] | None = None,
+                    splits=(0,)) -> dict:
     """Decode attention (rope fused, as a decode step runs it) under each launch config of
-    attention_triton.DECODE_TUNING, per shape of SWEEP_SHAPES: graph microseconds."""
+    attention_triton.DECODE_TUNING, per shape of SWEEP_SHAPES (those named in shapes, when
+    given): graph microseconds. splits: the most splits a row takes (0: the default rule)."""
     from graphexec.kernels import attention_triton as at
     from graphexec.kernels.rope import rope_cos_sin
 
     bs, dtype = 16, torch.bfloat16
     results: dict = {"device": torch.cuda.get_device_properties(0).name}
     for name, b, ctx, hq, hk, d in SWEEP_SHAPES:
-        k, v, tables = _paged_cache(b, 8192 if b == 1 else ctx, hk, d, bs, dtype)
+        if shapes and name not in shapes:
+            continue
+        # several layers' caches in turn, as a decode step reads them: a cache read again and
+        # again would be served from L2 (llama-8b's batch-64 cache is 25-50 MB a layer)
+        caches = [_paged_cache(b, 8192 if b == 1 else ctx, hk, d, bs, dtype)
+                  for _ in range(SWEEP_LAYERS)]
+        tables = caches[0][2]
+        turn = itertools.cycle(caches)
         q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
         kn = torch.randn(b, hk, d, device="cuda", dtype=dtype)
         vn = torch.randn(b, hk, d, device="cuda", dtype=dtype)
@@ -326,23 +342,23 @@ def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
         pos = (sl - 1).long()
         slots = tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
         cos, sin = rope_cos_sin(8192, d, 500000.0, device="cuda")
-        for bn in block_ns:
-            for w in warps:
-                for st in stages:
-                    at.DECODE_TUNING.clear()
-                    at.DECODE_TUNING.update(block_n=bn, num_warps=w, num_stages=st)
-                    key = f"{name}_n{bn}_w{w}_s{st}"
-                    try:
-                        us = _graph_time_us(lambda: at.rope_decode_attention(
-                            q, kn, vn, pos, cos, sin, k, v, slots, tables, sl, d ** -0.5))
-                    except Exception as e:  # a config that does not fit (shared memory)
-                        results[key] = {"error": type(e).__name__}
-                        print(f"{key:<40} {type(e).__name__}", flush=True)
-                        continue
-                    results[key] = {"graph_us": us}
-                    print(f"{key:<40} {us:8.2f} us", flush=True)
+        for bn, w, st, sp in itertools.product(block_ns, warps, stages, splits):
+            at.DECODE_TUNING.clear()
+            at.DECODE_TUNING.update(block_n=bn, num_warps=w, num_stages=st,
+                                    num_splits=sp)
+            key = f"{name}_n{bn}_w{w}_s{st}" + (f"_x{sp}" if sp else "")
+            try:
+                us = _graph_time_us(lambda: at.rope_decode_attention(
+                    q, kn, vn, pos, cos, sin, *next(turn)[:2], slots, tables, sl,
+                    d ** -0.5), reps=2 * SWEEP_LAYERS)
+            except Exception as e:  # a config that does not fit (shared memory)
+                results[key] = {"error": type(e).__name__}
+                print(f"{key:<40} {type(e).__name__}", flush=True)
+                continue
+            results[key] = {"graph_us": us}
+            print(f"{key:<40} {us:8.2f} us", flush=True)
         at.DECODE_TUNING.clear()
-        del k, v, tables
+        del caches, tables, turn
         torch.cuda.empty_cache()
     if out_json_path:
         with open(out_json_path, "w") as f:
@@ -407,6 +423,15 @@ def main() -> None:
                          "issue-3 goal; default llama-1b), printed as JSON lines")
     ap.add_argument("--sweep-attention", action="store_true",
                     help="instead: decode attention under alternative launch configs")
+    ap.add_argument("--block-n", nargs="+", type=int, default=[32, 64, 128],
+                    help="with --sweep-attention: keys per tile to try")
+    ap.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--splits", nargs="+", type=int, default=[0],
+                    help="with --sweep-attention: most splits a row (0: the default rule)")
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    choices=[shape[0] for shape in SWEEP_SHAPES],
+                    help="with --sweep-attention: only these shapes")
     args = ap.parse_args()
     if args.forward is not None:
         copy_gbps = _strict_copy_gbps(_copy_bandwidth())
@@ -417,7 +442,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
     elif args.sweep_attention:
-        sweep_attention(args.out)
+        sweep_attention(args.out, args.block_n, args.warps, args.stages, args.shapes,
+                        args.splits)
     else:
         bench_kernels(args.out)
 
