@@ -139,9 +139,10 @@ def auto_ops(max_rows: int) -> Ops:
 FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 # The same for a tensor-parallel rank's qkv, whose input the all-reduce has already normed:
 # llama-8b at tensor_parallel_size 2 (3072 x 4096 a rank), batch 64, 3.337 / 3.339 / 3.339 ms
-# a step against 3.368 / 3.365 on cuBLAS (two H200s, 2026-11-26), though alone the kernel is
-# slower (11.4 us against cuBLAS's 9.96, tools/tune_fused.py --tp 2): as a programmatic
-# dependent it starts during the all-reduce before it.
+# a step against 3.368 on cuBLAS (two H200s, 2026-11-26, docs/benchmarks.md "Tensor
+# parallelism", runs 9 and 10), though alone the kernel is slower (11.4 us against cuBLAS's
+# 9.96, tools/tune_fused.py --tp 2): as a programmatic dependent it starts during the
+# all-reduce before it.
 RANK_QKV_TRITON_MAX_ELEMENTS = 16 << 20
 
 
