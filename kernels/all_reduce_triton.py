@@ -221,9 +221,10 @@ def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, summed_pt
     offs = tl.program_id(0).to(tl.int64) * row_words + cols
     words = tl.load(x_ptr + offs, mask=ok, other=0)
     # the residual and the norm weight are loaded before the wait for the peers, so that their
-    # latency hides behind it: llama-8b at tensor_parallel_size 2 took 3.913 / 3.912 ms a step
-    # at batch 64 against 3.967 with the loads after it, 2.964 against 3.013 at batch 1 (two
-    # H100s, 2026-11-26, docs/benchmarks.md "Tensor parallelism")
+    # latency hides behind it: with that and one reduction of the squares (below) instead of
+    # two, llama-8b at tensor_parallel_size 2 took 3.913 / 3.912 ms a step at batch 64 against
+    # 3.967, 2.964 against 3.013 at batch 1 (two H100s, 2026-11-26, docs/benchmarks.md "Tensor
+    # parallelism", run 11)
     residual = tl.load(res_ptr + offs, mask=ok, other=0)
     norm_weight = tl.load(w_ptr + cols, mask=ok, other=0)
     lo_sum, hi_sum = _exchange(words, area_ptrs, offs, ok, slot_words, source_words,
