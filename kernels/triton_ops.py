@@ -185,7 +185,8 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     rank: the set for one tensor-parallel rank, where o and down return partial sums that the
     model all-reduces, the residual passed on (the all-reduce adds it, or else the next norm),
     and norm_linear and mlp may receive a Normed (its norm done by that all-reduce); the next
-    norm is not begun (a partial sum's norm is no part of the whole's)."""
+    norm is not begun (a partial sum's norm is no part of the whole's). A rank's qkv runs on
+    Triton up to RANK_QKV_TRITON_MAX_ELEMENTS instead."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 

@@ -60,7 +60,7 @@ def _rank(rank: int, size: int, port: int, kib: list[int], conn, norm_width: int
         nccl = _graph_us(lambda x, i: dist.all_reduce(x, group=shard.group), xs)
         row = dict(kib=k, reducer=type(shard.reducer).__name__ if fits else "NCCL",
                    us=ours, nccl_us=nccl)
-        if norm_width:  # the all-reduce with the residual add and the next RMSNorm
+        if norm_width and xs[0].numel() % norm_width == 0:  # with the add and the next norm
             shaped = [x.view(-1, norm_width) for x in xs]
             residual = torch.randn_like(shaped[0])
             weight = torch.ones(norm_width, device=device, dtype=torch.bfloat16)

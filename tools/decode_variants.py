@@ -407,7 +407,7 @@ def main() -> None:
                          "(default: triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS decides)")
     ap.add_argument("--attn", default=None, metavar="KEY=V[,KEY=V]",
                     help="decode attention launch knobs (attention_triton.DECODE_TUNING): "
-                         "block_n, num_warps, num_stages, merge, prefetch")
+                         "block_n, num_warps, num_stages, merge, prefetch, num_splits")
     ap.add_argument("--pdl-max-rows", type=int, default=None,
                     help="Triton projections of more rows launch normally (not as dependents)")
     ap.add_argument("--l2", default=None, metavar="KIND=MIB[,KIND=MIB]",
@@ -430,7 +430,9 @@ def main() -> None:
     elif args.variant == "fused":
         from graphexec.kernels import triton_ops
         if args.fused_qkv is not None:
-            triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS = 1 << 62 if args.fused_qkv == "triton" else 0
+            limit = 1 << 62 if args.fused_qkv == "triton" else 0
+            triton_ops.FUSED_QKV_TRITON_MAX_ELEMENTS = limit
+            triton_ops.RANK_QKV_TRITON_MAX_ELEMENTS = limit
         _fused(args.fused_rows, [])
     elif args.variant in ATTENTION_VARIANTS:
         ATTENTION_VARIANTS[args.variant]()
