@@ -10,7 +10,8 @@ fraction of the HBM roofline (weights + KV bytes per step over the copy bandwidt
 the same run). Writes JSON, a PNG plot and markdown tables under --out; `--docs
 docs/benchmarks.md` also appends the tables (with date, GPU and command) to that file.
 `--tp 1 2` runs each configuration at those tensor_parallel_size values (the roofline is then
-per rank). Without CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
+per rank); a model named `<preset>-tp<N>rank` is one rank's share of the preset alone, at size 1
+(tools/rank_shapes.py). Without CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
 benchmark, not to measure.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from graphexec import LLM, SamplingParams  # noqa: E402
 from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.rank import kv_bytes_per_block  # noqa: E402
 from graphexec.model import preset  # noqa: E402
+import rank_shapes  # noqa: E402  (tools/, beside this file)
 
 MODES = {"async+graphs": dict(async_scheduling=True, cuda_graphs=True),
          "sync+graphs": dict(async_scheduling=False, cuda_graphs=True),
@@ -416,6 +418,10 @@ def main() -> None:
         _append_docs(args.docs, "Speculative decoding: `tools/bench.py spec`", md)
         print(md)
     if args.what in ("decode", "all"):
+        for model in args.models:
+            rank_shapes.register(model)
+            if rank_shapes.is_rank_share(model) and args.tp != [1]:
+                ap.error(f"--models {model}: one rank's share runs at --tp 1 only")
         shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
         batches = args.batches or [1, 16, 64, 256]
         rows = run_decode(args.models, batches, shapes, args.hf_batches, args.out,

@@ -1,6 +1,7 @@
 """Where one decode iteration's GPU time goes: kernel by kernel, inside the captured graph.
 
 `python tools/profile_step.py --model llama-1b --batch 1 [--replays 20] [--out DIR]`
+(`--model llama-8b-tp2rank`: one tensor-parallel rank's share, tools/rank_shapes.py)
 
 Brings a batch to steady-state decode, then replays its graph under torch.profiler (CUPTI sees
 the kernels inside a graph replay) and prints, per kernel name, calls and GPU time per step,
@@ -28,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.capture.state import Variant  # noqa: E402
+
+import rank_shapes  # noqa: E402  (tools/, beside this file)
 
 
 def _kernel_times(fn, reps: int) -> dict[str, list]:
@@ -200,6 +203,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1,
                     help="with --engine-gaps: tensor_parallel_size (all-reduce time per step)")
     args = ap.parse_args()
+    rank_shapes.register(args.model)
+    if rank_shapes.is_rank_share(args.model) and args.tp != 1:
+        ap.error(f"--model {args.model}: one rank's share runs at --tp 1 only")
     os.makedirs(args.out, exist_ok=True)
     if args.engine_gaps:
         for b in args.batch:
