@@ -247,13 +247,11 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
         return add(x, weight, residual, next_norm if prenorm else None, "o"), None
 
     def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
-        if isinstance(x, Normed):  # a rank's input, normed by the all-reduce before it
-            normed, summed = x.x, x.summed
+        normed_in = isinstance(x, Normed)  # a rank's input, normed by the all-reduce before it
         if not fused(x):
-            if isinstance(x, Normed):
-                h = base.linear(normed, gate_up)
-            else:
-                h, summed = base.norm_linear(_plain(x), residual, norm_weight, eps, gate_up)
+            if normed_in:
+                return base.silu_mul_linear(base.linear(x.x, gate_up), down), x.summed
+            h, summed = base.norm_linear(_plain(x), residual, norm_weight, eps, gate_up)
             return base.silu_mul_linear(h, down), summed
         if _prenormed_by(x, norm_weight):
             act = linear_fused_triton.prenormed_linear(x, eps, gate_up, silu_out=True,
@@ -261,8 +259,8 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
                                                        **_warm_next(gate_up, "gate_up"))
             summed = x.h
         else:
-            if not isinstance(x, Normed):
-                normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
+            normed, summed = ((x.x, x.summed) if normed_in else
+                              linear_triton._norm(_plain(x), residual, norm_weight, eps))
             act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows,
                                                   **_warm_next(gate_up, "gate_up"))
         if rank is not None:
