@@ -41,6 +41,9 @@ class Ops:
     out_linear: Callable | None = None  # (x, weight, residual, next_norm_w) -> (h, residual)
     # (x, residual, norm_w, eps, gate_up, down, next_norm_w) -> (h, residual)
     mlp: Callable | None = None
+    # A rank set's out_linear and mlp also take push= (an all_reduce_triton.Push or None):
+    # where their projection runs on Triton, it sends its partial sum to the peers from its
+    # epilogue and h comes back as a Pushed.
     # rope_write_kv + decode_attention in one op, for decode batches whose rows are distinct
     # sequences; None: the model calls the two.
     rope_decode_attention: Callable | None = None
@@ -65,6 +68,19 @@ class Normed:
     x: torch.Tensor
     summed: torch.Tensor
     norm_weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """A tensor-parallel rank's partial sum x that the projection computing it has already sent
+    to its peers for the all-reduce in slot `slot` (kernels/all_reduce_triton.Push): that
+    all-reduce only waits for the peers' words and sums (model/shard.py)."""
+    x: torch.Tensor
+    slot: int
 
     @property
     def shape(self) -> torch.Size:

@@ -107,6 +107,14 @@ def _trap():
 
 
 @triton.jit
+def pair_words(lo, hi):
+    """Two 16-bit tensors of one shape as int32 message words: lo in the low half."""
+    lo_bits = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(tl.int16, bitcast=True).to(tl.int32)
+    return (hi_bits << 16) | lo_bits
+
+
+@triton.jit
 def _halves(w, DTYPE: tl.constexpr):
     """An int32 word of the message as fp32 values: two 16-bit elements (low, high), or one
     fp32 element (then high is 0)."""
@@ -125,20 +133,16 @@ def _word(lo, hi, DTYPE: tl.constexpr):
     if DTYPE == tl.float32:
         word = lo.to(tl.int32, bitcast=True)
     else:
-        lo_bits = lo.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi_bits = hi.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32)
-        word = (hi_bits << 16) | lo_bits
+        word = pair_words(lo.to(DTYPE), hi.to(DTYPE))
     return word
 
 
 @triton.jit
-def _exchange(words, area_ptrs, offs, ok, slot_words, source_words, timeout_ns,
-              RANK: tl.constexpr, WORLD: tl.constexpr, DTYPE: tl.constexpr,
-              BLOCK: tl.constexpr, TIMED: tl.constexpr, THREADS: tl.constexpr):
-    """The sum over the ranks of the message words at offs (this rank's own: words), as fp32
-    halves (_halves), not yet rounded. area_ptrs: int64 [WORLD], each rank's area as an
-    address in this process (its own, and its peers' mapped over NVLink). A rank's area holds
-    two slots of WORLD boxes of source_words 8-byte words, box q for rank q."""
+def push_words(words, offs, ok, area_ptrs, slot_words, source_words, RANK: tl.constexpr,
+               WORLD: tl.constexpr):
+    """Stores this rank's message words at offs (int32, any shape), each with the flag, into
+    its box of the slot in every peer's area: the sending half of _exchange, which a
+    projection's epilogue may do instead (Push)."""
     packed = (words.to(tl.int64) & 0xFFFFFFFF) | _ARRIVED
     for q in tl.static_range(WORLD):
         if q != RANK:
@@ -151,6 +155,20 @@ def _exchange(words, area_ptrs, offs, ok, slot_words, source_words, timeout_ns,
             # is checked bit for bit).
             peer = tl.multiple_of(tl.load(area_ptrs + q).to(tl.pointer_type(tl.int64)), 16)
             tl.store(peer + slot_words + RANK * source_words + offs, packed, mask=ok)
+
+
+@triton.jit
+def _exchange(words, area_ptrs, offs, ok, slot_words, source_words, timeout_ns,
+              RANK: tl.constexpr, WORLD: tl.constexpr, DTYPE: tl.constexpr,
+              BLOCK: tl.constexpr, TIMED: tl.constexpr, THREADS: tl.constexpr,
+              PUSHED: tl.constexpr):
+    """The sum over the ranks of the message words at offs (this rank's own: words), as fp32
+    halves (_halves), not yet rounded. area_ptrs: int64 [WORLD], each rank's area as an
+    address in this process (its own, and its peers' mapped over NVLink). A rank's area holds
+    two slots of WORLD boxes of source_words 8-byte words, box q for rank q. PUSHED: the
+    kernel that computed the words has already sent them (Push)."""
+    if not PUSHED:
+        push_words(words, offs, ok, area_ptrs, slot_words, source_words, RANK, WORLD)
     own = tl.multiple_of(tl.load(area_ptrs + RANK).to(tl.pointer_type(tl.int64)), 16)
     lo_sum = tl.zeros([BLOCK], dtype=tl.float32)
     hi_sum = tl.zeros([BLOCK], dtype=tl.float32)
@@ -191,7 +209,7 @@ def _exchange(words, area_ptrs, offs, ok, slot_words, source_words, timeout_ns,
 def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_words,
                        timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr,
                        DTYPE: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr,
-                       THREADS: tl.constexpr, PDL: tl.constexpr):
+                       THREADS: tl.constexpr, PDL: tl.constexpr, PUSHED: tl.constexpr):
     # x_ptr, out_ptr: the message as int32 words; program p sends and sums words
     # [p * BLOCK, (p + 1) * BLOCK)
     pdl.prologue(PDL)
@@ -199,7 +217,7 @@ def _all_reduce_kernel(x_ptr, out_ptr, area_ptrs, n_words, slot_words, source_wo
     ok = offs < n_words
     words = tl.load(x_ptr + offs, mask=ok, other=0)
     lo_sum, hi_sum = _exchange(words, area_ptrs, offs, ok, slot_words, source_words,
-                               timeout_ns, RANK, WORLD, DTYPE, BLOCK, TIMED, THREADS)
+                               timeout_ns, RANK, WORLD, DTYPE, BLOCK, TIMED, THREADS, PUSHED)
     tl.store(out_ptr + offs, _word(lo_sum, hi_sum, DTYPE), mask=ok)
 
 
@@ -209,7 +227,7 @@ def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, summed_pt
                                     RANK: tl.constexpr, WORLD: tl.constexpr,
                                     DTYPE: tl.constexpr, BLOCK: tl.constexpr,
                                     TIMED: tl.constexpr, THREADS: tl.constexpr,
-                                    PDL: tl.constexpr):
+                                    PDL: tl.constexpr, PUSHED: tl.constexpr):
     # Program r: row r of the message (row_words int32 words, d elements), summed over the
     # ranks as _all_reduce_kernel sums it, then what kernels/norm_rope_triton.add_rms_norm
     # makes of that sum and the residual row, with its rounding points: the sum rounded to
@@ -228,7 +246,7 @@ def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, summed_pt
     residual = tl.load(res_ptr + offs, mask=ok, other=0)
     norm_weight = tl.load(w_ptr + cols, mask=ok, other=0)
     lo_sum, hi_sum = _exchange(words, area_ptrs, offs, ok, slot_words, source_words,
-                               timeout_ns, RANK, WORLD, DTYPE, BLOCK, TIMED, THREADS)
+                               timeout_ns, RANK, WORLD, DTYPE, BLOCK, TIMED, THREADS, PUSHED)
     r_lo, r_hi = _halves(residual, DTYPE)
     # masked words are 0 in every operand, so they add nothing to the sum of squares
     s_lo = (lo_sum.to(DTYPE).to(tl.float32) + r_lo).to(DTYPE).to(tl.float32)
@@ -262,6 +280,29 @@ class PeerAreas:
         return 2 * world * max_words * 8
 
 
+@dataclass(frozen=True)
+class Push:
+    """Where a projection sends its output as this rank's message of an all-reduce, from its
+    epilogue (push_words), instead of the all-reduce kernel sending it after the projection
+    has finished: the peers receive each tile as soon as it is computed, and the all-reduce
+    that follows (called with pushed=True) only waits and sums. areas, slot: as that
+    all-reduce's. The slot protocol (module docstring) holds as before: a projection's
+    epilogue runs after its PDL wait, so everything before it on the stream, the previous
+    all-reduce's zeroing included, has finished."""
+    areas: PeerAreas
+    slot: int
+
+    @property
+    def slot_words(self) -> int:
+        return self.slot * self.areas.world * self.areas.max_words
+
+    def fits(self, rows: int, width: int, dtype: torch.dtype) -> bool:
+        """Whether a dense [rows, width] output can be pushed as a message: 16-bit elements
+        (two a word), an even width (no word straddles two rows), within a box."""
+        return (dtype in (torch.bfloat16, torch.float16) and width % 2 == 0
+                and 0 < rows * width // 2 <= self.areas.max_words)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """A dense tensor's bytes as int32 words, the unit the kernels move."""
     return t.view(-1).view(torch.int32)
@@ -277,11 +318,12 @@ def fits(areas: PeerAreas, x: torch.Tensor) -> bool:
 
 
 def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
-               timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+               timeout_s: float = TIMEOUT_S, pushed: bool = False) -> torch.Tensor:
     """The sum over the ranks of x (each rank calls it with its own x, at the same point of the
     same sequence of all-reduces), in a new tensor. slot: 0 or 1, alternating between
     consecutive calls (module docstring). timeout_s: how long a program waits for a peer
-    before it traps."""
+    before it traps. pushed: the kernel that computed x has sent it already (Push); every
+    rank must say the same."""
     if not fits(areas, x):
         raise ValueError(f"all_reduce: {x.numel()} elements of {x.dtype} do not fit "
                          f"{areas.max_words} 4-byte words")
@@ -295,7 +337,7 @@ def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
         _words(x), _words(out), areas.area_ptrs, n_words,
         slot * areas.world * source_words, source_words, int(timeout_s * 1e9),
         RANK=areas.rank, WORLD=areas.world, DTYPE=_TL_DTYPES[x.dtype], BLOCK=BLOCK,
-        TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent,
+        TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent, PUSHED=pushed,
         num_warps=NUM_WARPS, launch_pdl=dependent)
     return out
 
@@ -315,7 +357,8 @@ def fits_norm(areas: PeerAreas, x: torch.Tensor, residual: torch.Tensor,
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float, areas: PeerAreas, slot: int,
-                            timeout_s: float = TIMEOUT_S) -> tuple[torch.Tensor, torch.Tensor]:
+                            timeout_s: float = TIMEOUT_S, pushed: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce(x) followed by the residual add and RMSNorm that come next in the model, in
     one kernel: (norm(sum + residual), sum + residual), with kernels/rmsnorm.add_rms_norm_ref's
     rounding points (the sum bit for bit, the norm within one rounding: the squares are summed
@@ -340,5 +383,5 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         areas.area_ptrs, row_words, d, float(eps), slot * areas.world * areas.max_words,
         areas.max_words, int(timeout_s * 1e9), RANK=areas.rank, WORLD=areas.world,
         DTYPE=_TL_DTYPES[x.dtype], BLOCK=block, TIMED=not _INTERPRET, THREADS=32 * warps,
-        PDL=dependent, num_warps=warps, launch_pdl=dependent)
+        PDL=dependent, PUSHED=pushed, num_warps=warps, launch_pdl=dependent)
     return normed, summed

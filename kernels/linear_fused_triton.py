@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from . import Pushed
 from .activation_triton import silu_mul
+from .all_reduce_triton import Push
 from .linear_triton import MAX_ROWS, LinearConfig, _launch, _split_k, supported
 from .norm_rope_triton import rms_norm
 
@@ -71,15 +73,20 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
 
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None,
                    max_rows: int = MAX_ROWS, prefetch: torch.Tensor | None = None,
-                   prefetch_bytes: int = 0) -> torch.Tensor:
-    """linear(x) on linear_add's kernel and config, without the add: a tensor-parallel rank
-    other than 0 computes its partial sum of o or down this way (rank 0 adds the residual, so
-    the all-reduce sums it in once), each rank running the same kernel."""
+                   prefetch_bytes: int = 0, push: Push | None = None
+                   ) -> torch.Tensor | Pushed:
+    """linear(x) on linear_add's kernel and config, without the add: a tensor-parallel rank's
+    partial sum of o or down (the all-reduce after it adds the residual once). push: where
+    the kernel runs and the output fits, it also sends the output to the peers (a Pushed
+    comes back); torch's fallback does not."""
     if not supported(x, weight, 1, max_rows=max_rows):
         return F.linear(x, weight)
-    return _launch(x, None, None, 0.0, weight, None,
-                   config or pick_fused_config(x.shape[0], *weight.shape, "add"),
-                   prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
+    if push is not None and not push.fits(x.shape[0], weight.shape[0], x.dtype):
+        push = None
+    out = _launch(x, None, None, 0.0, weight, None,
+                  config or pick_fused_config(x.shape[0], *weight.shape, "add"),
+                  prefetch=prefetch, prefetch_bytes=prefetch_bytes, push=push)[0]
+    return out if push is None else Pushed(out, push.slot)
 
 
 def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,

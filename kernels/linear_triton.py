@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .all_reduce_triton import Push, pair_words, push_words
 from .l2_prefetch import LINE_BYTES, lines_per_program, prefetch_l2
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
@@ -161,13 +162,15 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr, g_ptr, ss_ptr,
-                   pf_ptr, M, N, K, k_per_split, eps, sx, sr, n_ss, pf_total,
+                   pf_ptr, push_ptrs, M, N, K, k_per_split, eps, sx, sr, n_ss, pf_total,
+                   push_slot_words, push_box_words,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
                    RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                   PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
+                   PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
+                   PUSH: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_WORLD: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
@@ -175,7 +178,8 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     # is an epilogue (no program recomputes another's). RES_OUT: the residual stream r (M x N)
     # is added to the output in the epilogue (HAS_RES, the add in the prologue, is then off).
     # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections
-    # (linear_fused_triton.Prenormed).
+    # (linear_fused_triton.Prenormed). PUSH: the output tile also goes to the peers as this
+    # rank's words of an all-reduce (kernels/all_reduce_triton.Push).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks
@@ -284,6 +288,13 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                          other=0.0)
             acc = acc.to(dtype).to(tl.float32) + rv.to(tl.float32)
         tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
+        if PUSH:
+            lo, hi = tl.split(tl.reshape(acc.to(dtype), [BLOCK_M, BLOCK_N // 2, 2]))
+            word_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            push_words(pair_words(lo, hi),
+                       rm.to(tl.int64)[:, None] * (N // 2) + word_cols[None, :],
+                       m_ok[:, None] & (word_cols < N // 2)[None, :], push_ptrs,
+                       push_slot_words, push_box_words, PUSH_RANK, PUSH_WORLD)
         if NORM_OUT:
             _norm_out(acc.to(dtype), flat, rm, rn, m_ok, n_ok, pid_n, M, nw_ptr, g_ptr, ss_ptr)
     else:
@@ -302,12 +313,14 @@ def _norm_out(h, flat, rm, rn, m_ok, n_ok, tile, M, nw_ptr, g_ptr, ss_ptr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, M, N,
-                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, RES_OUT: tl.constexpr,
-                      NORM_OUT: tl.constexpr, PDL: tl.constexpr):
+def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, push_ptrs, M, N,
+                      push_slot_words, push_box_words, SPLIT: tl.constexpr,
+                      BLOCK: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
+                      PDL: tl.constexpr, PUSH: tl.constexpr, PUSH_RANK: tl.constexpr,
+                      PUSH_WORLD: tl.constexpr):
     """Program (row, column block): the K splits' fp32 partials summed in split order; RES_OUT:
     plus the (dense) residual, after rounding the sum as the single-split epilogue does;
-    NORM_OUT: the next norm's share, as _norm_out."""
+    NORM_OUT: the next norm's share, as _norm_out; PUSH: as _linear_kernel's."""
     pdl.prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -321,6 +334,12 @@ def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, M, N,
     if RES_OUT:
         acc = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + offs, mask=ok).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
+    if PUSH:
+        lo, hi = tl.split(tl.reshape(acc.to(dtype), [BLOCK // 2, 2]))
+        word_cols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+        push_words(pair_words(lo, hi), row.to(tl.int64) * (N // 2) + word_cols,
+                   word_cols < N // 2, push_ptrs, push_slot_words, push_box_words, PUSH_RANK,
+                   PUSH_WORLD)
     if NORM_OUT:
         rows = row + tl.arange(0, 1)
         _norm_out(acc.to(dtype)[None, :], offs[None, :], rows, cols, rows < M, ok,
@@ -397,13 +416,16 @@ _SUM_BLOCK = 1024  # columns per program of _split_sum_kernel
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
             gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None,
             norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-            prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0):
+            prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0,
+            push: Push | None = None):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
     [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
     norm_out: with res_out, the next norm's weight, and then (out, summed, g, ss) come back
     (linear_fused_triton.Prenormed); row_scale: a Prenormed's ss, x being its g (eps: the
     norm's); prefetch: the weight of the projection after this one, whose first
-    prefetch_bytes the programs ask L2 for after their own loop (kernels/l2_prefetch.py)."""
+    prefetch_bytes the programs ask L2 for after their own loop (kernels/l2_prefetch.py);
+    push: the output also goes to the peers as this rank's message of an all-reduce (a plain
+    projection only: no residual, norm or silu epilogue)."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
@@ -422,6 +444,10 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             row_scale is not None and norm_weight is not None):
         raise ValueError("the norm's share goes after a residual epilogue, and its 1 / rms "
                          "onto a projection without a norm of its own")
+    if push is not None and (silu_out or res_out is not None or norm_out is not None
+                             or not push.fits(m, n, out.dtype)):
+        raise ValueError(f"push: only a plain projection's 16-bit output of even width "
+                         f"within a box goes to the peers, got {tuple(out.shape)} {out.dtype}")
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
     dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS
@@ -433,13 +459,18 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         ss = _new((tiles, m), torch.float32, x.device)
     nw = next(t for t in (norm_weight, norm_out, x) if t is not None)
     n_ss = 0 if row_scale is None else row_scale.shape[0]
+    # the peers' areas, where this rank's box of the slot starts, a box's words; rank, world
+    push_ptrs = (push.areas.area_ptrs if push is not None else x,)
+    push_words_at = (push.slot_words, push.areas.max_words) if push is not None else (0, 0)
+    push_ranks = (dict(PUSH_RANK=push.areas.rank, PUSH_WORLD=push.areas.world)
+                  if push is not None else dict(PUSH_RANK=0, PUSH_WORLD=1))
     pf_lines = 0 if _INTERPRET else lines_per_program(prefetch, prefetch_bytes,
                                                       grid[0] * grid[1])
     _linear_kernel[grid](
         x, r, nw, weight, bias if bias is not None else x, out, summed, ws,
         g if g is not None else out, next(t for t in (ss, row_scale, out) if t is not None),
-        prefetch if pf_lines else x, m, n, k, k_per_split, eps, x.stride(0), r.stride(0), n_ss,
-        prefetch.numel() if pf_lines else 0,
+        prefetch if pf_lines else x, *push_ptrs, m, n, k, k_per_split, eps, x.stride(0),
+        r.stride(0), n_ss, prefetch.numel() if pf_lines else 0, *push_words_at,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
@@ -449,13 +480,14 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         PF_LINES=pf_lines, PF_LINE=LINE_BYTES // (prefetch.element_size() if pf_lines else 1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
+        PUSH=push is not None and split == 1, **push_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
         block = min(_SUM_BLOCK, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](
-            ws, out, r, nw, g if g is not None else out, ss if ss is not None else out, m, n,
-            SPLIT=split, BLOCK=block, RES_OUT=res_out is not None,
-            NORM_OUT=norm_out is not None, PDL=dependent, num_warps=4, launch_pdl=dependent)
+            ws, out, r, nw, g if g is not None else out, ss if ss is not None else out,
+            *push_ptrs, m, n, *push_words_at, SPLIT=split, BLOCK=block,
+            RES_OUT=res_out is not None, NORM_OUT=norm_out is not None, PDL=dependent,
+            PUSH=push is not None, **push_ranks, num_warps=4, launch_pdl=dependent)
     if norm_out is not None:
         return out, summed, g, ss
     return out, summed

@@ -186,7 +186,8 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     model all-reduces, the residual passed on (the all-reduce adds it, or else the next norm),
     and norm_linear and mlp may receive a Normed (its norm done by that all-reduce); the next
     norm is not begun (a partial sum's norm is no part of the whole's). A rank's qkv runs on
-    Triton up to RANK_QKV_TRITON_MAX_ELEMENTS instead."""
+    Triton up to RANK_QKV_TRITON_MAX_ELEMENTS instead. Given push=, a rank's o and down on
+    Triton send their partial sums to the peers from their epilogue (a Pushed comes back)."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 
@@ -231,22 +232,23 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
 
     prenorm = PRENORM and rank is None
 
-    def add(x, weight, residual, next_norm, kind):
-        """x's projection plus the residual; a rank's partial sum alone."""
+    def add(x, weight, residual, next_norm, kind, push=None):
+        """x's projection plus the residual; a rank's partial sum alone (sent to the peers
+        from the epilogue where push says and the kernel can)."""
         if rank is not None:
-            return linear_fused_triton.linear_partial(x, weight, max_rows=max_rows,
+            return linear_fused_triton.linear_partial(x, weight, max_rows=max_rows, push=push,
                                                       **_warm_next(weight, kind))
         return linear_fused_triton.linear_add(x, weight, residual, max_rows=max_rows,
                                               next_norm=next_norm, **_warm_next(weight, kind))
 
-    def out_linear(x, weight, residual, next_norm=None):
+    def out_linear(x, weight, residual, next_norm=None, push=None):
         if not fused(x) or residual is None:
             return base.linear(x, weight), residual
         if rank is not None:  # the residual passes on to the all-reduce or the next norm
-            return add(x, weight, None, None, "o"), residual
+            return add(x, weight, None, None, "o", push), residual
         return add(x, weight, residual, next_norm if prenorm else None, "o"), None
 
-    def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None):
+    def mlp(x, residual, norm_weight, eps, gate_up, down, next_norm=None, push=None):
         normed_in = isinstance(x, Normed)  # a rank's input, normed by the all-reduce before it
         if not fused(x):
             if normed_in:
@@ -264,7 +266,7 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
             act = linear_fused_triton.linear_silu(normed, gate_up, max_rows=max_rows,
                                                   **_warm_next(gate_up, "gate_up"))
         if rank is not None:
-            return add(act, down, None, None, "down"), summed
+            return add(act, down, None, None, "down", push), summed
         # the next layer's qkv takes a Prenormed only on Triton (this layer's tells)
         return add(act, down, summed, next_norm if prenorm and last_qkv_triton[0] else None,
                    "down"), None

@@ -34,16 +34,52 @@ def test_sharded_bf16_logits_as_close_to_fp32_as_one_rank(hf_dirs_moderate):
 
 def test_sharded_bf16_logits_over_the_epilogue_fused_rows(hf_dirs_moderate):
     """A prefill of 40 tokens, inside the 33-64 rows where each rank runs the epilogue-fused
-    projections and the default all-reduce hands them its Normed rows: both ranks see the same
-    logits, within twice one rank's bf16 error of the fp32 model."""
+    projections (projections="auto", the default) and the default all-reduce hands them its
+    Normed rows: both ranks see the same logits, within twice one rank's bf16 error of the
+    fp32 model."""
     prompts = [[5 + (7 * i) % 300 for i in range(24)], [9 + (11 * i) % 300 for i in range(16)]]
     models = [hf_dirs_moderate["llama"][0], hf_dirs_moderate["qwen2"][0]]
-    ranks = sharded_logits(models, 2, CUDA, torch.bfloat16, prompts)
+    ranks = sharded_logits(models, 2, CUDA, torch.bfloat16, prompts, projections="auto")
     for i, model in enumerate(models):
         assert torch.equal(ranks[0][i], ranks[1][i]), model
         exact = torch.cat(_graphexec_prefill_logits(model, CUDA, torch.float32, prompts)).cpu()
         one = torch.cat(_graphexec_prefill_logits(model, CUDA, torch.bfloat16, prompts)).cpu()
         assert _rel(ranks[0][i], exact) <= 2 * _rel(one, exact) + 1e-3, model
+
+
+def _logits_with_and_without_pushes(shard, device, models, prompts):
+    """The 33-64-row prefill's logits with o and down sending their sums from their epilogue
+    (the default) and without; how many of the all-reduces with the norm took pushed words."""
+    from graphexec.kernels import Pushed
+    from graphexec.model.shard import Shard
+    from graphexec.parallel import symmetric
+    from tp_helpers import _logits_as_arrays
+
+    pushed = []
+    original = Shard.all_reduce_norm
+
+    def spy(self, t, *args, **kwargs):
+        pushed.append(isinstance(t, Pushed))
+        return original(self, t, *args, **kwargs)
+
+    Shard.all_reduce_norm = spy
+    with_pushes = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
+    symmetric.EPILOGUE_PUSH = False
+    count = sum(pushed)
+    without = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
+    return with_pushes, without, count, sum(pushed) - count
+
+
+def test_pushed_partial_sums_give_the_same_logits(hf_dirs_moderate):
+    """o and down push their partial sums to the peer from their epilogue at 33-64 rows: every
+    all-reduce then takes pushed words, and the logits are the bits of the all-reduce that
+    sends them itself (the same kernels, the same sums in the same order)."""
+    prompts = [[5 + (7 * i) % 300 for i in range(24)], [9 + (11 * i) % 300 for i in range(16)]]
+    model = hf_dirs_moderate["llama"][0]
+    ranks = on_every_rank(_logits_with_and_without_pushes, ([model], prompts), 2, CUDA)
+    for with_pushes, without, pushed, pushed_after in ranks:
+        assert pushed > 0 and pushed_after == 0
+        assert all((a == b).all() for a, b in zip(with_pushes, without))
 
 
 def test_sharded_bf16_logits_match_transformers(hf_dirs_moderate):

@@ -7,7 +7,10 @@ out."""
 import pytest
 import torch
 
+from graphexec.kernels import Pushed
 from graphexec.kernels import all_reduce_triton as ar
+from graphexec.kernels import linear_fused_triton as lf
+from graphexec.kernels import linear_triton as lt
 from kernel_helpers import CPU_MODE, DEV, RUNNABLE
 from tp_helpers import _reap, _spawn
 
@@ -228,3 +231,85 @@ def test_a_peer_that_never_comes_fails_the_context_instead_of_hanging():
     said = _in_a_process(_wait_for_a_peer_that_never_comes)
     assert said.startswith("error after "), said
     assert float(said.split()[2]) >= 0.2, said
+
+
+# A projection that sends its output from its epilogue (ar.Push), and the all-reduce after it
+# that only waits and sums (pushed=True): o's shape (one split of K) and down's (K split, the
+# words sent by the split-sum kernel).
+PUSH_CASES = [(3, 64, 48, None), (5, 96, 256, lt.LinearConfig(16, 32, 32, split_k=2))]
+
+
+def _projections(rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(rows, k, generator=g) / 4).to(dtype).to(DEV) for _ in range(2)]
+    ws = [(torch.randn(n, k, generator=g) / 8).to(dtype).to(DEV) for _ in range(2)]
+    return xs, ws
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([] if CPU_MODE else [torch.bfloat16]))
+@pytest.mark.parametrize("rows,n,k,config", PUSH_CASES)
+def test_a_projection_pushes_its_output_and_the_all_reduce_sums_it(dtype, rows, n, k, config):
+    """Each rank's projection stores its output (bit for bit what it returns) with the flag into
+    its box of the slot in the other's area and nowhere else; then each rank's fused add and
+    norm, told the words were pushed, sends nothing, sums both ranks' outputs as the reference
+    does and leaves its box zeroed."""
+    areas, slot = Areas(2), 1
+    xs, ws = _projections(rows, n, k, dtype, seed=rows)
+    outs = []
+    for rank in range(2):
+        push = ar.Push(areas.buffers(rank), slot)
+        out = lf.linear_partial(xs[rank], ws[rank], config, push=push)
+        assert isinstance(out, Pushed) and out.slot == slot
+        words = out.x.numel() // 2
+        box = areas.box(1 - rank, slot, rank)
+        assert torch.equal(box[:words], _words(out.x) | ar.ARRIVED)
+        assert not box[words:].any()
+        outs.append(out.x)
+    assert torch.equal(outs[0], lf.linear_partial(xs[0], ws[0], config))  # the same output
+    for rank in range(2):  # nothing in the other slot, nor in a rank's own box
+        for s in range(2):
+            assert not areas.box(rank, s, rank).any()
+        assert not areas.box(rank, 1 - slot, 1 - rank).any()
+    g = torch.Generator().manual_seed(n)
+    residual = (torch.randn(rows, n, generator=g) * 4).to(dtype).to(DEV)
+    weight = (torch.rand(n, generator=g) + 0.5).to(dtype).to(DEV)
+    want_normed, want_summed = ar.all_reduce_add_rms_norm_ref(outs, residual, weight, 1e-5)
+    for rank in range(2):
+        normed, summed = ar.all_reduce_add_rms_norm(outs[rank], residual, weight, 1e-5,
+                                                    areas.buffers(rank), slot, timeout_s=30,
+                                                    pushed=True)
+        assert torch.equal(summed, want_summed)
+        ulp = torch.finfo(dtype).eps * want_normed.float().abs().clamp_min(1e-3)
+        assert ((normed.float() - want_normed.float()).abs() <= ulp).all()
+        assert not areas.box(rank, slot, 1 - rank).any()  # read and zeroed
+    # rank 1 summed after rank 0 had read and zeroed its box: a reduce that sent its words
+    # again would have refilled it
+    assert not any(a.any() for a in areas.areas)
+
+
+def test_the_plain_all_reduce_takes_pushed_words_too():
+    areas, slot = Areas(2), 0
+    xs, ws = _projections(4, 64, 32, torch.float16, seed=11)
+    outs = [lf.linear_partial(xs[r], ws[r], push=ar.Push(areas.buffers(r), slot)).x
+            for r in range(2)]
+    want = ar.all_reduce_ref(outs)
+    for rank in range(2):
+        got = ar.all_reduce(outs[rank], areas.buffers(rank), slot, timeout_s=30, pushed=True)
+        assert torch.equal(got, want)
+        assert not areas.box(rank, slot, 1 - rank).any()
+
+
+def test_what_cannot_be_pushed_is_computed_without_a_push():
+    """An odd width, or 32-bit elements: the projection runs as before and says it pushed
+    nothing (a tensor, not a Pushed), and no word reaches a peer."""
+    areas = Areas(2)
+    push = ar.Push(areas.buffers(0), 0)
+    assert push.fits(4, 64, torch.float16) and not push.fits(4, 63, torch.float16)
+    assert not push.fits(4, 64, torch.float32) and not push.fits(0, 64, torch.float16)
+    assert not push.fits(1, 2 * MAX_WORDS + 2, torch.float16)
+    xs, ws = _projections(4, 63, 32, torch.float16, seed=5)
+    out = lf.linear_partial(xs[0], ws[0], push=push)
+    assert isinstance(out, torch.Tensor)
+    assert not any(a.any() for a in areas.areas)
+    with pytest.raises(ValueError, match="push"):
+        lt._launch(xs[0], None, None, 0.0, ws[0], None, None, push=push)

@@ -116,7 +116,8 @@ def test_the_triton_reducer_refuses_a_slot_twice_in_a_row():
 
     calls = []
     reducer = object.__new__(TritonAllReduce)
-    reducer._kernel = SimpleNamespace(all_reduce=lambda t, areas, slot: calls.append(slot) or t)
+    reducer._kernel = SimpleNamespace(
+        all_reduce=lambda t, areas, slot, pushed: calls.append(slot) or t)
     reducer.areas, reducer._last_slot = None, None
     t = torch.zeros(4)
     for slot in (0, 1, 0, 1):

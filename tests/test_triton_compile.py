@@ -378,3 +378,37 @@ def test_all_reduce_kernel_compiles_to_wide_pushes_and_volatile_polls(compiled, 
         assert re.search(r"ld\.volatile\.global\.v2\.b64", ptx), "polls that re-read memory"
         assert not re.search(r"\b(atom|red|membar|fence)\.", ptx), "a round trip on the link"
         assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"
+
+
+def test_projections_push_whole_words_and_the_all_reduce_then_sends_none(compiled,
+                                                                         monkeypatch):
+    """o and down of a llama-8b rank at 64 rows, pushing their partial sums (all_reduce_triton
+    .Push): the kernel that writes the output (the projection, or down's split-K sum) stores
+    each word to the peer whole, two to a 16-byte store; the all-reduce told the words were
+    pushed stores none to a peer, only its zeroing and its result."""
+    from graphexec.kernels import all_reduce_triton as ar
+    from graphexec.kernels import linear_fused_triton as lf
+    from graphexec.kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    areas = ar.PeerAreas(0, 2, torch.zeros(2, dtype=torch.int64),
+                         ar.PeerAreas.box_words(4 << 20))
+    lf.linear_partial(_bf16(64, 2048), _bf16(4096, 2048), push=ar.Push(areas, 0))
+    lf.linear_partial(_bf16(64, 7168), _bf16(4096, 7168), push=ar.Push(areas, 1))
+    names = [name for name, _ in compiled]
+    assert names == ["_linear_kernel", "_linear_kernel", "_split_sum_kernel"], names
+    for i in (0, 2):  # the kernels that hold the finished sums
+        ptx = compiled[i][1].asm["ptx"]
+        assert re.search(r"\bst\.global\.v2\.b64", ptx), names[i]
+        assert not re.search(r"\bst\.global\.b64", ptx), f"{names[i]}: an 8-byte word alone"
+    assert not re.search(r"\bst\.global(\.v\d)?\.b64", compiled[1][1].asm["ptx"]), \
+        "split K: the partials are not the message"
+    compiled.clear()
+    ar.all_reduce_add_rms_norm(_bf16(64, 4096), _bf16(64, 4096), _bf16(4096), 1e-5, areas, 0,
+                               pushed=True)
+    (name, kernel), = compiled
+    stores = re.findall(r"\bst\.global(\.v\d)?\.b(\d+)\s+\[[^\]]+\],\s*\{?([^;}]*)",
+                        kernel.asm["ptx"])
+    words = [ops for vec, bits, ops in stores if bits == "64"]
+    assert words and all(len({o.strip() for o in ops.split(",")}) == 1 for ops in words), \
+        "a push besides the zeroing"

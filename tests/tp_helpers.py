@@ -10,11 +10,13 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 
 
 
 def _rank_logits(models: list[str], shard, device: torch.device, dtype: torch.dtype,
-                 prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
+                 prompts: list[list[int]] = PROMPTS,
+                 projections: str = "cublas") -> list[torch.Tensor]:
     from test_hf_parity import _graphexec_prefill_logits
 
-    return [torch.cat(_graphexec_prefill_logits(m, device, dtype, prompts, shard=shard)).float()
-            .cpu() for m in models]
+    return [torch.cat(_graphexec_prefill_logits(m, device, dtype, prompts, shard=shard,
+                                                projections=projections)).float().cpu()
+            for m in models]
 
 
 def _one_rank(rank: int, size: int, port: int, fn, args: tuple, device: torch.device,
@@ -69,16 +71,19 @@ def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
 
 
 def _logits_as_arrays(shard, device: torch.device, models: list[str], dtype: torch.dtype,
-                      prompts: list[list[int]]):
-    return [t.numpy() for t in _rank_logits(models, shard, device, dtype, prompts)]
+                      prompts: list[list[int]], projections: str = "cublas"):
+    return [t.numpy() for t in _rank_logits(models, shard, device, dtype, prompts,
+                                            projections)]
 
 
 def sharded_logits(models: list[str], size: int, device: torch.device = torch.device("cpu"),
-                   dtype: torch.dtype = torch.float32,
-                   prompts: list[list[int]] = PROMPTS) -> list[list[torch.Tensor]]:
+                   dtype: torch.dtype = torch.float32, prompts: list[list[int]] = PROMPTS,
+                   projections: str = "cublas") -> list[list[torch.Tensor]]:
     """Per rank, per model: the prefill logits of prompts (fp32, on the CPU) with the weights
-    split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on."""
-    ranks = on_every_rank(_logits_as_arrays, (models, dtype, prompts), size, device)
+    split over `size` ranks: gloo on the CPU, NCCL over `size` GPUs from `device` on.
+    projections: as EngineConfig's ("auto": a rank's epilogue-fused set at 33-64 rows)."""
+    ranks = on_every_rank(_logits_as_arrays, (models, dtype, prompts, projections), size,
+                          device)
     return [[torch.from_numpy(a) for a in arrays] for arrays in ranks]
 
 
@@ -126,13 +131,15 @@ class NormingReducer:
         dist.all_reduce(t, group=self.group)
         return t
 
-    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, slot: int, pushed: bool = False) -> torch.Tensor:
+        assert not pushed, "no push target was given out"
         self.calls["plain"] += 1
         return self._sum(t)
 
-    def add_rms_norm(self, t, residual, norm_weight, eps, slot):
+    def add_rms_norm(self, t, residual, norm_weight, eps, slot, pushed=False):
         from graphexec.kernels.rmsnorm import add_rms_norm_ref
 
+        assert not pushed, "no push target was given out"
         self.calls["fused"] += 1
         return add_rms_norm_ref(self._sum(t), residual, norm_weight, eps)
 

@@ -161,7 +161,8 @@ class LlamaModel:
             if ops.out_linear is None:
                 h = ops.linear(o, layer.o)
             else:
-                h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm)
+                h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm,
+                                             **self._push(0))
             h = self._reduce(h, residual, layer.post_norm, 0)
             if ops.mlp is None:
                 gate_up, residual = self._norm_linear(h, residual, layer.post_norm,
@@ -169,7 +170,7 @@ class LlamaModel:
                 h = ops.silu_mul_linear(gate_up, layer.down)
             else:
                 h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
-                                      layer.gate_up, layer.down, next_norm)
+                                      layer.gate_up, layer.down, next_norm, **self._push(1))
             h = self._reduce(h, residual, next_norm, 1)
         return FinalHidden(h, residual)
 
@@ -183,11 +184,17 @@ class LlamaModel:
         return self.ops.norm_linear(h, residual, norm_weight, self.config.rms_norm_eps, weight,
                                     bias)
 
+    def _push(self, slot: int) -> dict:
+        """push= for a rank set's out_linear and mlp: where the all-reduce in `slot` may take
+        its message from the projection's epilogue (Shard.push_target), or nothing."""
+        push = self.shard.push_target(slot) if self._ops_take_normed else None
+        return {} if push is None else {"push": push}
+
     def _reduce(self, h, residual, norm_weight, slot: int):
         """A sharded model's partial sum h over the ranks: with the residual add and the norm
         by norm_weight (the next one, None after the last layer) folded into the all-reduce
         where the reducer can and the op set allows (a Normed), else the sum alone. h itself
-        when not sharded."""
+        when not sharded. A Pushed h was sent to the peers by its projection already."""
         if not self.shard.sharded:
             return h
         if norm_weight is not None and self.ops.all_reduce_norm:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..kernels import Normed
+from ..kernels import Normed, Pushed
 from .config import ModelConfig
 
 
@@ -79,10 +79,19 @@ class Shard:
         start, stop = self.bounds(t.shape[dim])
         return t.narrow(dim, start, stop - start).clone()
 
-    def all_reduce(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+    def push_target(self, slot: int):
+        """Where the projection before the all-reduce in `slot` may send its partial sum from
+        its epilogue (kernels/all_reduce_triton.Push), or None: the reducer sends it."""
+        push = getattr(self.reducer, "push", None)
+        return push(slot) if self.sharded and push is not None else None
+
+    def all_reduce(self, t: torch.Tensor | Pushed, slot: int) -> torch.Tensor:
         """Sums a row-parallel projection's partial outputs over the ranks: in place through
         NCCL or gloo, into a new tensor through the reducer. slot: 0 for o, 1 for down, so
-        consecutive all-reduces alternate (kernels/all_reduce_triton.py)."""
+        consecutive all-reduces alternate (kernels/all_reduce_triton.py). A Pushed t is in
+        the peers' boxes already (push_target)."""
+        if isinstance(t, Pushed):
+            return self.reducer(t.x, slot, pushed=True)
         if not self.sharded:
             return t
         if self.reducer is not None and self.reducer.fits(t):
@@ -92,7 +101,7 @@ class Shard:
         dist.all_reduce(t, group=self.group)
         return t
 
-    def all_reduce_norm(self, t: torch.Tensor, residual: torch.Tensor | None,
+    def all_reduce_norm(self, t: torch.Tensor | Pushed, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, slot: int) -> Normed | None:
         """all_reduce(t, slot), then the residual add and RMSNorm that follow it in the model,
         in one kernel where the reducer has one and takes these operands (a one-row step saves
@@ -100,10 +109,12 @@ class Shard:
         norm's launch); None where it does not: the caller then all-reduces and norms apart.
         The answer depends on shapes and dtypes only, so every rank takes the same path."""
         fused = getattr(self.reducer, "add_rms_norm", None)
+        pushed = isinstance(t, Pushed)
+        x = t.x if pushed else t
         if (not self.sharded or fused is None or residual is None
-                or not self.reducer.fits_norm(t, residual, norm_weight)):
+                or not self.reducer.fits_norm(x, residual, norm_weight)):
             return None
-        normed, summed = fused(t, residual, norm_weight, eps, slot)
+        normed, summed = fused(x, residual, norm_weight, eps, slot, pushed=pushed)
         return Normed(normed, summed, norm_weight)
 
 

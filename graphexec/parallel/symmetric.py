@@ -46,6 +46,11 @@ ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
 # (Shard.all_reduce_norm) where it can; False runs them as before, to compare.
 FUSED_NORM = True
 
+# o and down, where they run on Triton, send their partial sums to the peers from their
+# epilogue (kernels/all_reduce_triton.Push), and the all-reduce after them only waits and sums;
+# False leaves the sending to the all-reduce, to compare.
+EPILOGUE_PUSH = True
+
 CHOICES = ("nccl", "triton", "symm_mem")
 DEFAULT = "triton"
 # Whether this process has mapped a symmetric buffer (module docstring).
@@ -130,11 +135,17 @@ class TritonAllReduce:
     def fits(self, t: torch.Tensor) -> bool:
         return self._kernel.fits(self.areas, t)
 
-    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+    def push(self, slot: int):
+        """Where a projection sends its output as this rank's message of the all-reduce in
+        slot (EPILOGUE_PUSH), or None."""
+        return self._kernel.Push(self.areas, slot) if EPILOGUE_PUSH else None
+
+    def __call__(self, t: torch.Tensor, slot: int, pushed: bool = False) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
-        consecutive all-reduces (the model's o and down)."""
+        consecutive all-reduces (the model's o and down). pushed: t's projection has sent it
+        (push)."""
         self._check_slot(slot)
-        out = self._kernel.all_reduce(t, self.areas, slot)
+        out = self._kernel.all_reduce(t, self.areas, slot, pushed=pushed)
         self._last_slot = slot
         return out
 
@@ -143,12 +154,13 @@ class TritonAllReduce:
         return FUSED_NORM and self._kernel.fits_norm(self.areas, t, residual, norm_weight)
 
     def add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                     eps: float, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, slot: int, pushed: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(sum + residual), sum + residual), the sum of every rank's t: one kernel
-        (all_reduce_triton.all_reduce_add_rms_norm); slot as __call__'s."""
+        (all_reduce_triton.all_reduce_add_rms_norm); slot and pushed as __call__'s."""
         self._check_slot(slot)
         out = self._kernel.all_reduce_add_rms_norm(t, residual, norm_weight, eps, self.areas,
-                                                   slot)
+                                                   slot, pushed=pushed)
         self._last_slot = slot
         return out
 
