@@ -14,6 +14,7 @@ import triton
 from . import Pushed
 from .activation_triton import silu_mul
 from .all_reduce_triton import Push
+from .gather_triton import Landing
 from .linear_triton import MAX_ROWS, LinearConfig, _launch, _split_k, supported
 from .norm_rope_triton import rms_norm
 
@@ -87,6 +88,22 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig |
                   config or pick_fused_config(x.shape[0], *weight.shape, "add"),
                   prefetch=prefetch, prefetch_bytes=prefetch_bytes, push=push)[0]
     return out if push is None else Pushed(out, push.slot)
+
+
+def linear_gathered(x: torch.Tensor, weight: torch.Tensor, gather: Landing,
+                    config: LinearConfig | None = None,
+                    max_rows: int = MAX_ROWS) -> torch.Tensor | None:
+    """A tensor-parallel rank's LM head over its vocabulary slice, returning the whole logits
+    [rows, world * n]: its own columns computed here, the peers' landed in this rank's zone by
+    their LM heads (kernels/gather_triton.py). None where the kernel does not take x or the
+    slice does not fit a box (the caller then gathers through NCCL)."""
+    m, n = x.shape[0], weight.shape[0]
+    if not supported(x, weight, 1, max_rows=max_rows) or not gather.fits(m, n, x.dtype):
+        return None
+    cfg = config or pick_fused_config(m, n, weight.shape[1], "lm_head")
+    if cfg.split_k != 1:
+        return None
+    return _launch(x, None, None, 0.0, weight, None, cfg, gather=gather)[0]
 
 
 def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,

@@ -29,12 +29,14 @@ import triton.language as tl
 
 from . import pdl
 from .all_reduce_triton import Push, pair_words, push_words
+from .gather_triton import Landing, land_tile, wait_and_place
 from .l2_prefetch import LINE_BYTES, lines_per_program, prefetch_l2
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET_C = tl.constexpr(_INTERPRET)
 MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
 # Prologue fusion (norm, silu * mul) pays only for one row: at 16 rows every program re-reads
 # the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
@@ -162,15 +164,16 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 # M is the batch: never specialise on it, or every new batch size would compile again.
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr, g_ptr, ss_ptr,
-                   pf_ptr, push_ptrs, M, N, K, k_per_split, eps, sx, sr, n_ss, pf_total,
-                   push_slot_words, push_box_words,
+                   pf_ptr, push_ptrs, land_ptrs, count_ptrs, M, N, K, k_per_split, eps, sx,
+                   sr, n_ss, pf_total, push_slot_words, push_box_words, land_box_elems,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ONE_PASS: tl.constexpr, SILU_OUT: tl.constexpr,
                    RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
-                   PUSH: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_WORLD: tl.constexpr):
+                   PUSH: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_WORLD: tl.constexpr,
+                   GATHER: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
     # SILU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each
@@ -179,7 +182,9 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     # is added to the output in the epilogue (HAS_RES, the add in the prologue, is then off).
     # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections
     # (linear_fused_triton.Prenormed). PUSH: the output tile also goes to the peers as this
-    # rank's words of an all-reduce (kernels/all_reduce_triton.Push).
+    # rank's words of an all-reduce (kernels/all_reduce_triton.Push). GATHER: the output is
+    # the whole [M, WORLD * N] of which this rank (PUSH_RANK of PUSH_WORLD) computes its N
+    # columns, the tile also landing in the peers' zones (kernels/gather_triton.py).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks
@@ -287,7 +292,14 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
             rv = tl.load(r_ptr + rm.to(tl.int64)[:, None] * sr + rn[None, :], mask=out_mask,
                          other=0.0)
             acc = acc.to(dtype).to(tl.float32) + rv.to(tl.float32)
-        tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
+        if GATHER:
+            whole = (rm.to(tl.int64)[:, None] * (N * PUSH_WORLD)
+                     + (PUSH_RANK * N + rn)[None, :])
+            tl.store(out_ptr + whole, acc.to(dtype), mask=out_mask)
+            land_tile(acc.to(dtype), flat, out_mask, land_ptrs, count_ptrs, land_box_elems,
+                      PUSH_RANK, PUSH_WORLD, _INTERPRET_C)
+        else:
+            tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
         if PUSH:
             lo, hi = tl.split(tl.reshape(acc.to(dtype), [BLOCK_M, BLOCK_N // 2, 2]))
             word_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -417,7 +429,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None,
             norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
             prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0,
-            push: Push | None = None):
+            push: Push | None = None, gather: Landing | None = None):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
     [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
     norm_out: with res_out, the next norm's weight, and then (out, summed, g, ss) come back
@@ -425,13 +437,15 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     norm's); prefetch: the weight of the projection after this one, whose first
     prefetch_bytes the programs ask L2 for after their own loop (kernels/l2_prefetch.py);
     push: the output also goes to the peers as this rank's message of an all-reduce (a plain
-    projection only: no residual, norm or silu epilogue)."""
+    projection only: no residual, norm or silu epilogue); gather: the output is the whole
+    logits over the ranks' vocabulary slices, this rank's computed here and the peers' landed
+    (kernels/gather_triton.py; a plain projection without split K)."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
         n //= 2
     cfg = config or (pick_norm_config if norm_weight is not None else pick_config)(m, n, k)
-    out = _new((m, n), x.dtype, x.device)
+    out = _new((m, n * gather.world if gather is not None else n), x.dtype, x.device)
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -448,6 +462,10 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
                              or not push.fits(m, n, out.dtype)):
         raise ValueError(f"push: only a plain projection's 16-bit output of even width "
                          f"within a box goes to the peers, got {tuple(out.shape)} {out.dtype}")
+    if gather is not None and (split > 1 or silu_out or res_out is not None or push is not None
+                               or norm_out is not None or not gather.fits(m, n, x.dtype)):
+        raise ValueError(f"gather: only a plain projection without split K, its [{m}, {n}] "
+                         f"{x.dtype} output within a landing box")
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
     dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS
@@ -463,14 +481,19 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     push_ptrs = (push.areas.area_ptrs if push is not None else x,)
     push_words_at = (push.slot_words, push.areas.max_words) if push is not None else (0, 0)
     push_ranks = (dict(PUSH_RANK=push.areas.rank, PUSH_WORLD=push.areas.world)
-                  if push is not None else dict(PUSH_RANK=0, PUSH_WORLD=1))
+                  if push is not None else
+                  dict(PUSH_RANK=gather.rank, PUSH_WORLD=gather.world) if gather is not None
+                  else dict(PUSH_RANK=0, PUSH_WORLD=1))
+    land_ptrs = ((gather.landing_ptrs, gather.counter_ptrs) if gather is not None
+                 else (x, x))
     pf_lines = 0 if _INTERPRET else lines_per_program(prefetch, prefetch_bytes,
                                                       grid[0] * grid[1])
     _linear_kernel[grid](
         x, r, nw, weight, bias if bias is not None else x, out, summed, ws,
         g if g is not None else out, next(t for t in (ss, row_scale, out) if t is not None),
-        prefetch if pf_lines else x, *push_ptrs, m, n, k, k_per_split, eps, x.stride(0),
-        r.stride(0), n_ss, prefetch.numel() if pf_lines else 0, *push_words_at,
+        prefetch if pf_lines else x, *push_ptrs, *land_ptrs, m, n, k, k_per_split, eps,
+        x.stride(0), r.stride(0), n_ss, prefetch.numel() if pf_lines else 0, *push_words_at,
+        gather.box_bytes // x.element_size() if gather is not None else 0,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
         ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
@@ -480,7 +503,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         PF_LINES=pf_lines, PF_LINE=LINE_BYTES // (prefetch.element_size() if pf_lines else 1),
-        PUSH=push is not None and split == 1, **push_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
+        PUSH=push is not None and split == 1, **push_ranks, GATHER=gather is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
         block = min(_SUM_BLOCK, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](
@@ -488,6 +512,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             *push_ptrs, m, n, *push_words_at, SPLIT=split, BLOCK=block,
             RES_OUT=res_out is not None, NORM_OUT=norm_out is not None, PDL=dependent,
             PUSH=push is not None, **push_ranks, num_warps=4, launch_pdl=dependent)
+    if gather is not None:
+        wait_and_place(gather, out, grid[0] * grid[1])
     if norm_out is not None:
         return out, summed, g, ss
     return out, summed

@@ -187,7 +187,9 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     and norm_linear and mlp may receive a Normed (its norm done by that all-reduce); the next
     norm is not begun (a partial sum's norm is no part of the whole's). A rank's qkv runs on
     Triton up to RANK_QKV_TRITON_MAX_ELEMENTS instead. Given push=, a rank's o and down on
-    Triton send their partial sums to the peers from their epilogue (a Pushed comes back)."""
+    Triton send their partial sums to the peers from their epilogue (a Pushed comes back);
+    given gather=, a rank's LM head on Triton returns the whole logits, the peers' columns
+    landed by their LM heads (kernels/gather_triton.py)."""
     def fused(x):
         return min_rows <= x.shape[0] <= max_rows
 
@@ -195,7 +197,15 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
     # projection (the only norm_linear here besides the LM head), and prefetches after Triton.
     last_qkv_triton = [False]
 
-    def norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+    def norm_linear(x, residual, norm_weight, eps, weight, bias=None, gather=None):
+        if gather is not None and fused(x) and bias is None and not isinstance(x, Normed):
+            # a rank's LM head, gathering the logits in its epilogue where the kernel can
+            normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
+            logits = linear_fused_triton.linear_gathered(normed, weight, gather,
+                                                         max_rows=max_rows)
+            if logits is not None:
+                return logits, summed
+            return base.linear(normed, weight), summed
         if isinstance(x, Normed):  # a rank's qkv input, normed by the all-reduce before it
             triton_qkv = fused(x) and weight.numel() <= RANK_QKV_TRITON_MAX_ELEMENTS
             last_qkv_triton[0] = triton_qkv

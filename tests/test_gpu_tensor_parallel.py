@@ -34,9 +34,10 @@ def test_sharded_bf16_logits_as_close_to_fp32_as_one_rank(hf_dirs_moderate):
 
 def test_sharded_bf16_logits_over_the_epilogue_fused_rows(hf_dirs_moderate):
     """A prefill of 40 tokens, inside the 33-64 rows where each rank runs the epilogue-fused
-    projections (projections="auto", the default) and the default all-reduce hands them its
-    Normed rows: both ranks see the same logits, within twice one rank's bf16 error of the
-    fp32 model."""
+    projections (projections="auto", the default), the default all-reduce hands them its
+    Normed rows, and the LM head lands each rank's logits in the other's memory: both ranks
+    see the same logits (each computed its own columns, and received the other's), within
+    twice one rank's bf16 error of the fp32 model."""
     prompts = [[5 + (7 * i) % 300 for i in range(24)], [9 + (11 * i) % 300 for i in range(16)]]
     models = [hf_dirs_moderate["llama"][0], hf_dirs_moderate["qwen2"][0]]
     ranks = sharded_logits(models, 2, CUDA, torch.bfloat16, prompts, projections="auto")
@@ -49,37 +50,48 @@ def test_sharded_bf16_logits_over_the_epilogue_fused_rows(hf_dirs_moderate):
 
 def _logits_with_and_without_pushes(shard, device, models, prompts):
     """The 33-64-row prefill's logits with o and down sending their sums from their epilogue
-    (the default) and without; how many of the all-reduces with the norm took pushed words."""
-    from graphexec.kernels import Pushed
+    (the default) and without; how many all-reduces with the norm took pushed words, and how
+    many LM heads returned the whole logits (kernels/gather_triton.py), in each run."""
+    from graphexec.kernels import Pushed, linear_fused_triton
     from graphexec.model.shard import Shard
     from graphexec.parallel import symmetric
     from tp_helpers import _logits_as_arrays
 
-    pushed = []
-    original = Shard.all_reduce_norm
+    pushed, gathered = [], []
+    original_reduce, original_head = Shard.all_reduce_norm, linear_fused_triton.linear_gathered
 
-    def spy(self, t, *args, **kwargs):
+    def spy_reduce(self, t, *args, **kwargs):
         pushed.append(isinstance(t, Pushed))
-        return original(self, t, *args, **kwargs)
+        return original_reduce(self, t, *args, **kwargs)
 
-    Shard.all_reduce_norm = spy
+    def spy_head(*args, **kwargs):
+        out = original_head(*args, **kwargs)
+        gathered.append(out is not None)
+        return out
+
+    Shard.all_reduce_norm = spy_reduce
+    linear_fused_triton.linear_gathered = spy_head
     with_pushes = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
+    counts = [sum(pushed), sum(gathered)]
     symmetric.EPILOGUE_PUSH = False
-    count = sum(pushed)
     without = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
-    return with_pushes, without, count, sum(pushed) - count
+    counts += [sum(pushed) - counts[0], sum(gathered) - counts[1]]
+    return with_pushes, without, counts
 
 
 def test_pushed_partial_sums_give_the_same_logits(hf_dirs_moderate):
     """o and down push their partial sums to the peer from their epilogue at 33-64 rows: every
     all-reduce then takes pushed words, and the logits are the bits of the all-reduce that
-    sends them itself (the same kernels, the same sums in the same order)."""
+    sends them itself (the same kernels, the same sums in the same order). The LM head lands
+    its logits in the peer's memory in both runs."""
     prompts = [[5 + (7 * i) % 300 for i in range(24)], [9 + (11 * i) % 300 for i in range(16)]]
     model = hf_dirs_moderate["llama"][0]
     ranks = on_every_rank(_logits_with_and_without_pushes, ([model], prompts), 2, CUDA)
-    for with_pushes, without, pushed, pushed_after in ranks:
+    for with_pushes, without, (pushed, gathered, pushed_after, gathered_after) in ranks:
         assert pushed > 0 and pushed_after == 0
+        assert gathered == gathered_after == 1
         assert all((a == b).all() for a, b in zip(with_pushes, without))
+    assert all((a == b).all() for a, b in zip(ranks[0][0], ranks[1][0]))
 
 
 def test_sharded_bf16_logits_match_transformers(hf_dirs_moderate):

@@ -412,3 +412,29 @@ def test_projections_push_whole_words_and_the_all_reduce_then_sends_none(compile
     words = [ops for vec, bits, ops in stores if bits == "64"]
     assert words and all(len({o.strip() for o in ops.split(",")}) == 1 for ops in words), \
         "a push besides the zeroing"
+
+
+def test_the_lm_head_lands_its_tiles_and_releases_one_arrival_a_program(compiled,
+                                                                        monkeypatch):
+    """A llama-8b rank's LM head at 64 rows landing its logits (kernels/gather_triton.py): the
+    tiles go to the peer in vector stores, then one `red.release.sys` a peer after a barrier
+    (no atom, whose answer would cross back); the wait polls with `ld.acquire.sys`, has its
+    deadline and trap, and reads nothing before its PDL wait."""
+    from graphexec.kernels import gather_triton as gt
+    from graphexec.kernels import linear_fused_triton as lf
+    from graphexec.kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    ptrs = torch.zeros(2, dtype=torch.int64)
+    landing = gt.Landing(1, 2, ptrs, ptrs, torch.zeros(2 << 24, dtype=torch.uint8),
+                         torch.zeros(1, dtype=torch.int64), 16 << 20)
+    lf.linear_gathered(_bf16(64, 4096), _bf16(64128, 4096), landing)
+    names = [name for name, _ in compiled]
+    assert names == ["_linear_kernel", "_wait_kernel"], names
+    head, wait = (kernel.asm["ptx"] for _, kernel in compiled)
+    assert re.search(r"\bst\.global\.v4\.b32", head), "tiles in 16-byte stores"
+    assert len(re.findall(r"red\.release\.sys\.global\.add\.u64", head)) == 1
+    assert not re.search(r"\batom\.", head) and re.search(r"\bbar\.sync", head)
+    assert re.search(r"ld\.acquire\.sys\.global\.u64", wait)
+    assert "%globaltimer" in wait and re.search(r"\btrap;", wait)
+    assert not re.search(r"\b(ld|st)\.global", _before_wait(wait)), "memory before PDL wait"

@@ -210,8 +210,12 @@ class LlamaModel:
         as it reads, which is exact; a separate fp32 copy cost a full extra pass over the
         logits each step (24 us at batch 64 on llama-1b)."""
         w = self.weights
+        # a rank set may return the whole logits of a split LM head (Shard.gather_target)
+        split = w.lm_head.shape[0] != self.config.vocab_size
+        gather = self.shard.gather_target() if self._ops_take_normed and split else None
         logits, _ = self.ops.norm_linear(hidden.out, hidden.residual, w.norm,
-                                         self.config.rms_norm_eps, w.lm_head)
+                                         self.config.rms_norm_eps, w.lm_head,
+                                         **({} if gather is None else {"gather": gather}))
         if logits.shape[-1] != self.config.vocab_size:  # this rank's slice of the vocabulary
             logits = self.shard.gather_vocab(logits)
         return logits

@@ -85,6 +85,12 @@ class Shard:
         push = getattr(self.reducer, "push", None)
         return push(slot) if self.sharded and push is not None else None
 
+    def gather_target(self):
+        """Where a rank's LM head may land its logits in the peers' memory from its epilogue
+        (kernels/gather_triton.Landing), or None: gather_vocab after it."""
+        gather = getattr(self.reducer, "gather", None)
+        return gather() if self.sharded and gather is not None else None
+
     def all_reduce(self, t: torch.Tensor | Pushed, slot: int) -> torch.Tensor:
         """Sums a row-parallel projection's partial outputs over the ranks: in place through
         NCCL or gloo, into a new tensor through the reducer. slot: 0 for o, 1 for down, so

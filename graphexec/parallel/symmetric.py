@@ -50,6 +50,12 @@ FUSED_NORM = True
 # epilogue (kernels/all_reduce_triton.Push), and the all-reduce after them only waits and sums;
 # False leaves the sending to the all-reduce, to compare.
 EPILOGUE_PUSH = True
+# A rank's LM head at 33-64 rows lands its logits in its peers' memory from its epilogue
+# (kernels/gather_triton.py) instead of an NCCL all-gather after it; False: the all-gather, to
+# compare. Each rank's zone holds a box of GATHER_BOX_BYTES per rank: a 64-row bf16 slice of up
+# to 131,072 columns (llama-8b's 128,256-token vocabulary at size 1, 64,128 at size 2).
+GATHER_IN_LM_HEAD = True
+GATHER_BOX_BYTES = 16 << 20
 
 CHOICES = ("nccl", "triton", "symm_mem")
 DEFAULT = "triton"
@@ -118,14 +124,24 @@ class TritonAllReduce:
 
         check(size)
         self._kernel = all_reduce_triton
+        from ..kernels.gather_triton import Landing
+
         max_words = all_reduce_triton.PeerAreas.box_words(2 * ONE_SHOT_BYTES_AT_SIZE_2 // size)
         area = all_reduce_triton.PeerAreas.area_bytes(size, max_words)
-        self.buffer, handle = _mapped(group, device, area)
-        self.areas = all_reduce_triton.PeerAreas(
-            rank=dist.get_rank(group), world=size,
-            area_ptrs=torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64,
-                                   device=device),
-            max_words=max_words)
+        # one mapping: the all-reduce's area, then the gather's landing zone, then its counter
+        # (a second rendezvous in a process is what the module docstring warns of)
+        zone = size * GATHER_BOX_BYTES
+        self.buffer, handle = _mapped(group, device, area + zone + 64)
+        bases = [int(p) for p in handle.buffer_ptrs]
+        ptrs = lambda offset: torch.tensor([b + offset for b in bases], dtype=torch.int64,
+                                           device=device)
+        rank = dist.get_rank(group)
+        self.areas = all_reduce_triton.PeerAreas(rank=rank, world=size, area_ptrs=ptrs(0),
+                                                 max_words=max_words)
+        self.landing = Landing(
+            rank=rank, world=size, landing_ptrs=ptrs(area), counter_ptrs=ptrs(area + zone),
+            zone=self.buffer[area:area + zone],
+            waited=torch.zeros(1, dtype=torch.int64, device=device), box_bytes=GATHER_BOX_BYTES)
         # Every word "not arrived" on every rank before any rank pushes one.
         self.buffer.zero_()
         torch.cuda.synchronize(device)
@@ -134,6 +150,11 @@ class TritonAllReduce:
 
     def fits(self, t: torch.Tensor) -> bool:
         return self._kernel.fits(self.areas, t)
+
+    def gather(self):
+        """Where a rank's LM head lands its logits in the peers' memory (GATHER_IN_LM_HEAD),
+        or None."""
+        return self.landing if GATHER_IN_LM_HEAD else None
 
     def push(self, slot: int):
         """Where a projection sends its output as this rank's message of the all-reduce in
