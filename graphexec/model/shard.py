@@ -5,7 +5,8 @@ width), o and down by input columns, so each of those two returns a partial sum 
 all-reduce completes. KV heads are divided like the query heads: rank r holds query heads
 [r * Hq / n, (r + 1) * Hq / n) and the KV heads they read, and only those heads' paged cache.
 The LM head is split by vocabulary rows when the size divides the vocabulary (each rank streams
-its slice, one all-gather joins the logits; at batch 1 the head is a tenth of llama-8b's bytes),
+its slice, one all-gather joins the logits, or at 33-64 rows the LM head's epilogue lands them
+in the peers' memory: gather_target; at batch 1 the head is a tenth of llama-8b's bytes),
 else replicated. Embedding and norms are replicated. Every rank ends with the same whole logits
 and samples the same tokens, so the device-resident next inputs never diverge.
 """
