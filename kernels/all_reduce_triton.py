@@ -288,7 +288,8 @@ class Push:
     that follows (called with pushed=True) only waits and sums. areas, slot: as that
     all-reduce's. The slot protocol (module docstring) holds as before: a projection's
     epilogue runs after its PDL wait, so everything before it on the stream, the previous
-    all-reduce's zeroing included, has finished."""
+    all-reduce's zeroing included, has finished (every kernel launched as a programmatic
+    dependent passes its wait before it finishes, kernels/pdl.py)."""
     areas: PeerAreas
     slot: int
 

@@ -19,7 +19,8 @@ Counters only grow; each rank keeps, in its own memory, the count its last wait 
 next wait's start), so a replayed graph needs no reset. A peer's tiles of step k + 1 cannot land
 before this rank has copied out those of step k: the peer computes its LM head of step k + 1
 only after this rank's all-reduces of step k + 1, which come after the copy on this rank's
-stream. A wait that outlasts timeout_s traps, as the all-reduce's does
+stream. That rests on every kernel launched as a programmatic dependent passing its PDL wait
+before it finishes (kernels/pdl.py), and on the copy being an ordinary launch. A wait that outlasts timeout_s traps, as the all-reduce's does
 (kernels/all_reduce_triton.py).
 """
 from __future__ import annotations
@@ -78,7 +79,9 @@ def land_tile(h, flat, mask, landing_ptrs, counter_ptrs, box_elems, RANK: tl.con
     counter, released at system scope once every thread of the program has stored."""
     for q in tl.static_range(WORLD):
         if q != RANK:
-            zone = tl.load(landing_ptrs + q).to(tl.pointer_type(h.dtype))
+            # zones start 16-byte aligned (after the all-reduce's area, in 16 MiB boxes):
+            # without the hint the peer's tile went out in 2-byte stores
+            zone = tl.multiple_of(tl.load(landing_ptrs + q).to(tl.pointer_type(h.dtype)), 16)
             tl.store(zone + RANK * box_elems + flat, h, mask=mask)
     tl.debug_barrier()
     for q in tl.static_range(WORLD):

@@ -49,49 +49,64 @@ def test_sharded_bf16_logits_over_the_epilogue_fused_rows(hf_dirs_moderate):
 
 
 def _logits_with_and_without_pushes(shard, device, models, prompts):
-    """The 33-64-row prefill's logits with o and down sending their sums from their epilogue
-    (the default) and without; how many all-reduces with the norm took pushed words, and how
-    many LM heads returned the whole logits (kernels/gather_triton.py), in each run."""
+    """The 33-64-row prefill's logits: as shipped; with the all-reduce sending the partial sums
+    (symmetric.EPILOGUE_PUSH off); and with the NCCL all-gather after a cuBLAS LM head too
+    (GATHER_IN_LM_HEAD off). For each run: whether each all-reduce took pushed words, and how
+    many LM heads returned the whole logits (kernels/gather_triton.py)."""
     from graphexec.kernels import Pushed, linear_fused_triton
     from graphexec.model.shard import Shard
     from graphexec.parallel import symmetric
     from tp_helpers import _logits_as_arrays
 
-    pushed, gathered = [], []
-    original_reduce, original_head = Shard.all_reduce_norm, linear_fused_triton.linear_gathered
+    seen: dict = {"pushed": [], "gathered": 0}
+    original = {"all_reduce": Shard.all_reduce, "all_reduce_norm": Shard.all_reduce_norm}
 
-    def spy_reduce(self, t, *args, **kwargs):
-        pushed.append(isinstance(t, Pushed))
-        return original_reduce(self, t, *args, **kwargs)
+    def spy(name):
+        def call(self, t, *args, **kwargs):
+            out = original[name](self, t, *args, **kwargs)
+            if out is not None:  # the reduce that ran (a None hands it to all_reduce)
+                seen["pushed"].append(isinstance(t, Pushed))
+            return out
+        return call
+
+    head = linear_fused_triton.linear_gathered
 
     def spy_head(*args, **kwargs):
-        out = original_head(*args, **kwargs)
-        gathered.append(out is not None)
+        out = head(*args, **kwargs)
+        seen["gathered"] += out is not None
         return out
 
-    Shard.all_reduce_norm = spy_reduce
+    Shard.all_reduce, Shard.all_reduce_norm = spy("all_reduce"), spy("all_reduce_norm")
     linear_fused_triton.linear_gathered = spy_head
-    with_pushes = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
-    counts = [sum(pushed), sum(gathered)]
-    symmetric.EPILOGUE_PUSH = False
-    without = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
-    counts += [sum(pushed) - counts[0], sum(gathered) - counts[1]]
-    return with_pushes, without, counts
+    runs = []
+    for push, gather in ((True, True), (False, True), (False, False)):
+        symmetric.EPILOGUE_PUSH, symmetric.GATHER_IN_LM_HEAD = push, gather
+        seen["pushed"], seen["gathered"] = [], 0
+        logits = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
+        runs.append((logits, seen["pushed"], seen["gathered"]))
+    return runs
 
 
-def test_pushed_partial_sums_give_the_same_logits(hf_dirs_moderate):
-    """o and down push their partial sums to the peer from their epilogue at 33-64 rows: every
-    all-reduce then takes pushed words, and the logits are the bits of the all-reduce that
-    sends them itself (the same kernels, the same sums in the same order). The LM head lands
-    its logits in the peer's memory in both runs."""
+def test_pushed_partial_sums_and_landed_logits_match_the_collectives(hf_dirs_moderate):
+    """At 33-64 rows o and down push their partial sums to the peer from their epilogue, and
+    the LM head lands its logits in the peer's memory. Every all-reduce then takes pushed
+    words, and the logits are the bits of the all-reduce that sends them itself (the same
+    kernels, the same sums in the same order); with the NCCL all-gather after a cuBLAS LM head
+    too, they agree within bf16 rounding (another GEMM kernel), and the ranks agree with each
+    other in every run."""
     prompts = [[5 + (7 * i) % 300 for i in range(24)], [9 + (11 * i) % 300 for i in range(16)]]
     model = hf_dirs_moderate["llama"][0]
     ranks = on_every_rank(_logits_with_and_without_pushes, ([model], prompts), 2, CUDA)
-    for with_pushes, without, (pushed, gathered, pushed_after, gathered_after) in ranks:
-        assert pushed > 0 and pushed_after == 0
-        assert gathered == gathered_after == 1
-        assert all((a == b).all() for a, b in zip(with_pushes, without))
-    assert all((a == b).all() for a, b in zip(ranks[0][0], ranks[1][0]))
+    for runs in ranks:
+        (shipped, pushed, gathered), (no_push, sent, gathered_too), (nccl, _, none) = runs
+        assert pushed and all(pushed) and sent and not any(sent)
+        assert gathered == gathered_too == 1 and none == 0
+        assert all((a == b).all() for a, b in zip(shipped, no_push))
+        for a, b in zip(shipped, nccl):
+            a, b = torch.from_numpy(a), torch.from_numpy(b)
+            assert _rel(a, b) <= 1e-2 and not torch.equal(a, torch.zeros_like(a))
+    for run in range(3):
+        assert all((a == b).all() for a, b in zip(ranks[0][run][0], ranks[1][run][0]))
 
 
 def test_sharded_bf16_logits_match_transformers(hf_dirs_moderate):

@@ -432,9 +432,17 @@ def test_the_lm_head_lands_its_tiles_and_releases_one_arrival_a_program(compiled
     names = [name for name, _ in compiled]
     assert names == ["_linear_kernel", "_wait_kernel"], names
     head, wait = (kernel.asm["ptx"] for _, kernel in compiled)
-    assert re.search(r"\bst\.global\.v4\.b32", head), "tiles in 16-byte stores"
+    # the local columns and the peer's box alike: 16-byte stores, no 2-byte ones
+    assert len(re.findall(r"\bst\.global\.v4\.b32", head)) >= 2, "tiles in 16-byte stores"
+    assert not re.search(r"\bst\.global(\.\w+)*\.b16\b", head), "2-byte stores"
     assert len(re.findall(r"red\.release\.sys\.global\.add\.u64", head)) == 1
-    assert not re.search(r"\batom\.", head) and re.search(r"\bbar\.sync", head)
+    assert not re.search(r"\batom\.", head)
+    # the tile's last store, then a barrier, then the release (the split-K branch's stores
+    # come later in the text, on the other path)
+    release = head.index("red.release.sys")
+    last_store = max(m.start() for m in re.finditer(r"\bst\.global", head[:release]))
+    assert "bar.sync" in head[last_store:release], \
+        "the release must follow a barrier after every thread's stores"
     assert re.search(r"ld\.acquire\.sys\.global\.u64", wait)
     assert "%globaltimer" in wait and re.search(r"\btrap;", wait)
     assert not re.search(r"\b(ld|st)\.global", _before_wait(wait)), "memory before PDL wait"
