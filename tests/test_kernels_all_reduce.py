@@ -180,6 +180,28 @@ def _in_a_process(target) -> str:
         _reap([p], 10)
 
 
+def time_a_trap(conn, late) -> None:
+    """Calls late() (launches a wait bound to time out, its kernel compiled already) and sends
+    conn how long the host took to see the error, or "no error"."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        late()
+        torch.cuda.synchronize()
+        conn.send("no error")
+    except RuntimeError as e:  # the trap: the context fails
+        conn.send(f"error after {time.perf_counter() - start:.3f} s: {e}")
+
+
+def assert_trapped_in_a_process(target, deadline_s: float) -> None:
+    """target (which ends in time_a_trap) raised on the host, no sooner than deadline_s."""
+    said = _in_a_process(target)
+    assert said.startswith("error after "), said
+    assert float(said.split()[2]) >= deadline_s, said
+
+
 def _wait_for_a_late_peer(conn) -> None:
     areas = Areas(2)
     x = _parts(2, 4096, torch.bfloat16, seed=3)
@@ -207,30 +229,19 @@ def test_a_late_peer_is_waited_for():
 
 
 def _wait_for_a_peer_that_never_comes(conn) -> None:
-    import time
-
     areas = Areas(2)
     x = _parts(2, 4096, torch.bfloat16, seed=1)
     # a first call, its peer's words staged: compiled before the clock starts
     areas.box(0, 0, 1)[:2048] = _words(x[1]) | ar.ARRIVED
     ar.all_reduce(x[0], areas.buffers(0), 0, timeout_s=30)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    try:
-        ar.all_reduce(x[0], areas.buffers(0), 1, timeout_s=0.2)
-        torch.cuda.synchronize()
-        conn.send("no error")
-    except RuntimeError as e:  # the trap: the context fails
-        conn.send(f"error after {time.perf_counter() - start:.3f} s: {e}")
+    time_a_trap(conn, lambda: ar.all_reduce(x[0], areas.buffers(0), 1, timeout_s=0.2))
 
 
 @pytest.mark.skipif(CPU_MODE, reason="the deadline reads the GPU's clock")
 def test_a_peer_that_never_comes_fails_the_context_instead_of_hanging():
     """Past its deadline the kernel traps: the CUDA context fails and the host's next wait
     raises, no sooner than the deadline."""
-    said = _in_a_process(_wait_for_a_peer_that_never_comes)
-    assert said.startswith("error after "), said
-    assert float(said.split()[2]) >= 0.2, said
+    assert_trapped_in_a_process(_wait_for_a_peer_that_never_comes, 0.2)
 
 
 # A projection that sends its output from its epilogue (ar.Push), and the all-reduce after it
