@@ -324,3 +324,20 @@ def test_what_cannot_be_pushed_is_computed_without_a_push():
     assert not any(a.any() for a in areas.areas)
     with pytest.raises(ValueError, match="push"):
         lt._launch(xs[0], None, None, 0.0, ws[0], None, None, push=push)
+
+
+def test_at_three_ranks_a_projection_pushes_to_both_peers():
+    """The last of three ranks: its projection's words land in box 2 of both peers' areas, and
+    its pushed all-reduce, both peers' words staged, sums the three parts in rank order."""
+    areas, slot = Areas(3), 1
+    xs, ws = _projections(4, 64, 32, torch.float16, seed=13)
+    out = lf.linear_partial(xs[0], ws[0], push=ar.Push(areas.buffers(2), slot)).x
+    words = out.numel() // 2
+    for q in (0, 1):
+        assert torch.equal(areas.box(q, slot, 2)[:words], _words(out) | ar.ARRIVED)
+    parts = [lf.linear_partial(xs[1], ws[1]), lf.linear_partial(xs[0], ws[1]), out]
+    for q in (0, 1):
+        areas.box(2, slot, q)[:words] = _words(parts[q]) | ar.ARRIVED
+    got = ar.all_reduce(out, areas.buffers(2), slot, timeout_s=30, pushed=True)
+    assert torch.equal(got, ar.all_reduce_ref(parts))
+    assert not areas.box(2, slot, 0).any() and not areas.box(2, slot, 1).any()

@@ -114,3 +114,25 @@ def test_tiles_that_never_come_fail_the_context_instead_of_hanging():
     from test_kernels_all_reduce import assert_trapped_in_a_process
 
     assert_trapped_in_a_process(_wait_for_tiles_that_never_come, 0.2)
+
+
+def test_three_ranks_land_in_each_peer_and_wait_for_both():
+    """The last of three ranks, its two peers' slices staged and its counter raised by both
+    peers' programs: it returns the three slices in rank order, its tiles land in box 2 of
+    both peers' zones, and each peer's counter grew by its program count."""
+    zones = Zones(3)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(5, 32, generator=g) / 4).to(torch.float16).to(DEV)
+    w = (torch.randn(64, 32, generator=g) / 8).to(torch.float16).to(DEV)
+    mine = lt.linear(x, w, config=CONFIG)
+    peers = [torch.full((5, 64), float(q + 1), dtype=torch.float16, device=DEV) for q in (0, 1)]
+    programs = -(-64 // CONFIG.block_n)
+    for q in (0, 1):
+        zones.landings[2].box(q, 5, 64, torch.float16).copy_(peers[q])
+    zones.counters[2][0] = 2 * programs
+    got = lf.linear_gathered(x, w, zones.landings[2], CONFIG)
+    assert torch.equal(got, gt.gather_ref([*peers, mine]))
+    assert zones.waited[2].item() == 2 * programs
+    for q in (0, 1):
+        assert torch.equal(zones.landings[q].box(2, 5, 64, torch.float16), mine)
+        assert zones.counters[q][0].item() == programs
