@@ -67,7 +67,7 @@ class Landing:
     def box(self, source: int, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank `source`'s landed [rows, n] slice in this rank's zone."""
         start = source * self.box_bytes
-        nbytes = rows * n * torch.empty((), dtype=dtype).element_size()
+        nbytes = rows * n * dtype.itemsize
         return self.zone[start:start + nbytes].view(dtype).view(rows, n)
 
 

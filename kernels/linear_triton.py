@@ -172,7 +172,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                    BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
-                   PUSH: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_WORLD: tl.constexpr,
+                   PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                    GATHER: tl.constexpr):
     # Row blocks vary fastest: the row blocks of one column block run together and share its
     # weight tile through L2 instead of each streaming it from HBM.
@@ -183,7 +183,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
     # NORM_OUT and ROW_SCALE split the next RMSNorm between two projections
     # (linear_fused_triton.Prenormed). PUSH: the output tile also goes to the peers as this
     # rank's words of an all-reduce (kernels/all_reduce_triton.Push). GATHER: the output is
-    # the whole [M, WORLD * N] of which this rank (PUSH_RANK of PUSH_WORLD) computes its N
+    # the whole [M, WORLD * N] of which this rank (RANK of WORLD) computes its N
     # columns, the tile also landing in the peers' zones (kernels/gather_triton.py).
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
@@ -293,11 +293,11 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
                          other=0.0)
             acc = acc.to(dtype).to(tl.float32) + rv.to(tl.float32)
         if GATHER:
-            whole = (rm.to(tl.int64)[:, None] * (N * PUSH_WORLD)
-                     + (PUSH_RANK * N + rn)[None, :])
+            whole = (rm.to(tl.int64)[:, None] * (N * WORLD)
+                     + (RANK * N + rn)[None, :])
             tl.store(out_ptr + whole, acc.to(dtype), mask=out_mask)
             land_tile(acc.to(dtype), flat, out_mask, land_ptrs, count_ptrs, land_box_elems,
-                      PUSH_RANK, PUSH_WORLD, _INTERPRET_C)
+                      RANK, WORLD, _INTERPRET_C)
         else:
             tl.store(out_ptr + flat, acc.to(dtype), mask=out_mask)
         if PUSH:
@@ -306,7 +306,7 @@ def _linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ws_ptr,
             push_words(pair_words(lo, hi),
                        rm.to(tl.int64)[:, None] * (N // 2) + word_cols[None, :],
                        m_ok[:, None] & (word_cols < N // 2)[None, :], push_ptrs,
-                       push_slot_words, push_box_words, PUSH_RANK, PUSH_WORLD)
+                       push_slot_words, push_box_words, RANK, WORLD)
         if NORM_OUT:
             _norm_out(acc.to(dtype), flat, rm, rn, m_ok, n_ok, pid_n, M, nw_ptr, g_ptr, ss_ptr)
     else:
@@ -328,8 +328,8 @@ def _norm_out(h, flat, rm, rn, m_ok, n_ok, tile, M, nw_ptr, g_ptr, ss_ptr):
 def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, push_ptrs, M, N,
                       push_slot_words, push_box_words, SPLIT: tl.constexpr,
                       BLOCK: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
-                      PDL: tl.constexpr, PUSH: tl.constexpr, PUSH_RANK: tl.constexpr,
-                      PUSH_WORLD: tl.constexpr):
+                      PDL: tl.constexpr, PUSH: tl.constexpr, RANK: tl.constexpr,
+                      WORLD: tl.constexpr):
     """Program (row, column block): the K splits' fp32 partials summed in split order; RES_OUT:
     plus the (dense) residual, after rounding the sum as the single-split epilogue does;
     NORM_OUT: the next norm's share, as _norm_out; PUSH: as _linear_kernel's."""
@@ -350,8 +350,8 @@ def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, push_ptrs
         lo, hi = tl.split(tl.reshape(acc.to(dtype), [BLOCK // 2, 2]))
         word_cols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
         push_words(pair_words(lo, hi), row.to(tl.int64) * (N // 2) + word_cols,
-                   word_cols < N // 2, push_ptrs, push_slot_words, push_box_words, PUSH_RANK,
-                   PUSH_WORLD)
+                   word_cols < N // 2, push_ptrs, push_slot_words, push_box_words, RANK,
+                   WORLD)
     if NORM_OUT:
         rows = row + tl.arange(0, 1)
         _norm_out(acc.to(dtype)[None, :], offs[None, :], rows, cols, rows < M, ok,
@@ -480,10 +480,9 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     # the peers' areas, where this rank's box of the slot starts, a box's words; rank, world
     push_ptrs = (push.areas.area_ptrs if push is not None else x,)
     push_words_at = (push.slot_words, push.areas.max_words) if push is not None else (0, 0)
-    push_ranks = (dict(PUSH_RANK=push.areas.rank, PUSH_WORLD=push.areas.world)
-                  if push is not None else
-                  dict(PUSH_RANK=gather.rank, PUSH_WORLD=gather.world) if gather is not None
-                  else dict(PUSH_RANK=0, PUSH_WORLD=1))
+    peers = push.areas if push is not None else gather  # this rank among the ranks, or None
+    ranks = (dict(RANK=peers.rank, WORLD=peers.world) if peers is not None
+             else dict(RANK=0, WORLD=1))
     land_ptrs = ((gather.landing_ptrs, gather.counter_ptrs) if gather is not None
                  else (x, x))
     pf_lines = 0 if _INTERPRET else lines_per_program(prefetch, prefetch_bytes,
@@ -503,7 +502,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16, PDL=dependent,
         PF_LINES=pf_lines, PF_LINE=LINE_BYTES // (prefetch.element_size() if pf_lines else 1),
-        PUSH=push is not None and split == 1, **push_ranks, GATHER=gather is not None,
+        PUSH=push is not None and split == 1, **ranks, GATHER=gather is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
         block = min(_SUM_BLOCK, triton.next_power_of_2(n))
@@ -511,7 +510,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
             ws, out, r, nw, g if g is not None else out, ss if ss is not None else out,
             *push_ptrs, m, n, *push_words_at, SPLIT=split, BLOCK=block,
             RES_OUT=res_out is not None, NORM_OUT=norm_out is not None, PDL=dependent,
-            PUSH=push is not None, **push_ranks, num_warps=4, launch_pdl=dependent)
+            PUSH=push is not None, **ranks, num_warps=4, launch_pdl=dependent)
     if gather is not None:
         wait_and_place(gather, out, grid[0] * grid[1])
     if norm_out is not None:

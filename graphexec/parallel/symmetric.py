@@ -138,6 +138,7 @@ class TritonAllReduce:
         rank = dist.get_rank(group)
         self.areas = all_reduce_triton.PeerAreas(rank=rank, world=size, area_ptrs=ptrs(0),
                                                  max_words=max_words)
+        self._pushes = tuple(all_reduce_triton.Push(self.areas, slot) for slot in (0, 1))
         self.landing = Landing(
             rank=rank, world=size, landing_ptrs=ptrs(area), counter_ptrs=ptrs(area + zone),
             zone=self.buffer[area:area + zone],
@@ -159,7 +160,7 @@ class TritonAllReduce:
     def push(self, slot: int):
         """Where a projection sends its output as this rank's message of the all-reduce in
         slot (EPILOGUE_PUSH), or None."""
-        return self._kernel.Push(self.areas, slot) if EPILOGUE_PUSH else None
+        return self._pushes[slot] if EPILOGUE_PUSH else None
 
     def __call__(self, t: torch.Tensor, slot: int, pushed: bool = False) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
