@@ -21,14 +21,14 @@ from .config import EngineConfig
 from .model import resolve_model
 from .model.loader import read_model_config
 from .outputs import RequestOutput
-from .request import Request, Status
-from .request_text import RequestText
 from .parallel import build_ranks
+from .request import Request, Status
 from .rank import resolve_max_model_len
 from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Plan, Scheduler
-from .tokenizer import load_tokenizer
+from .text.request_text import RequestText
+from .text.tokenizer import load_tokenizer
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-from .chat import encode_chat, validate_conversation
+from .text.chat import encode_chat, validate_conversation
 from .engine import Engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams

@@ -5,8 +5,8 @@ import enum
 from dataclasses import dataclass, field
 
 from .outputs import RequestOutput, TokenLogprob
-from .request_text import RequestText
 from .sampling_params import SamplingParams
+from .text.request_text import RequestText
 
 
 class Status(enum.Enum):

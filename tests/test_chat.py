@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphexec import LLM, SamplingParams
-from graphexec.chat import encode_chat, render_chat
+from graphexec.text.chat import encode_chat, render_chat
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

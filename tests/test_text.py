@@ -12,8 +12,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from tokenizers.trainers import BpeTrainer
 
 from graphexec import LLM, Engine, SamplingParams, SpeculativeConfig
-from graphexec.detokenizer import REBASE_AT, IncrementalDetokenizer
-from graphexec.stop_strings import StopStringMatcher
+from graphexec.text.detokenizer import REBASE_AT, IncrementalDetokenizer
+from graphexec.text.stop_strings import StopStringMatcher
 
 MULTILINGUAL = ("Héllo wörld, naïve café déjà vu. 中文字符测试，日本語のテキスト。 "
                 "Emoji 😀👍🏽🇫🇷 and ĀĒĪ ŌŪ. Ελληνικά κείμενο. Привет, мир!")

@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from graphexec.chat import encode_chat
+    from graphexec.text.chat import encode_chat
 
     tok = LLM("smollm2-135m", device="cpu", max_batch=1, max_model_len=64).engine.tokenizer
     prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in PROMPTS]

@@ -11,7 +11,7 @@ import time
 import torch
 
 from graphexec import LLM, Engine, SamplingParams
-from graphexec.chat import encode_chat
+from graphexec.text.chat import encode_chat
 from graphexec.model.config import PRESETS
 
 QUESTIONS = [

@@ -4,7 +4,7 @@ Token ids are checked against the vocabulary here so that a bad id is refused by
 of being found by the engine; the context limit is checked with the params (params.py)."""
 from __future__ import annotations
 
-from ..chat import encode_chat
+from ..text.chat import encode_chat
 from .errors import invalid
 from .model_info import ModelInfo
 from .protocol import ChatCompletionRequest, ChatMessage

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import tokenizers
 
-    from .model.gguf import GGUFTokenizerData
+    from ..model.gguf import GGUFTokenizerData
 
 
 class Tokenizer:
@@ -107,7 +107,7 @@ def load_tokenizer(source) -> Tokenizer | None:
     an HF dir); None where the model ships none (presets, a dir without tokenizer.json)."""
     gguf = getattr(source, "gguf", None)
     if gguf is not None:
-        from .model.gguf import tokenizer_data
+        from ..model.gguf import tokenizer_data
 
         data = tokenizer_data(gguf)
         return None if data is None else tokenizer_from_gguf(data, gguf.path)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..sampling_params import SamplingParams
 from .detokenizer import Decoder, IncrementalDetokenizer
-from .sampling_params import SamplingParams
 from .stop_strings import StopStringMatcher
 
 
