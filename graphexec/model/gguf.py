@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, RopeScaling
-from .llama import LayerWeights, ModelWeights
-from .shard import COLUMN_PARALLEL, ROW_PARALLEL, UNSHARDED, Shard
+from .layer_walk import TensorNames, walk_weights
+from .llama import ModelWeights
+from .shard import UNSHARDED, Shard
 
 GGUF_MAGIC = b"GGUF"
 
@@ -248,6 +249,18 @@ class _GGUFTensors:
         return self.shard.part(w, split).to(device=self.device, dtype=self.dtype)
 
 
+# llama.cpp's names for the same tensors.
+GGUF_NAMES = TensorNames(
+    layer="blk.{i}.",
+    q="attn_q.weight", k="attn_k.weight", v="attn_v.weight",
+    q_bias="attn_q.bias", k_bias="attn_k.bias", v_bias="attn_v.bias", o="attn_output.weight",
+    gate="ffn_gate.weight", up="ffn_up.weight", down="ffn_down.weight",
+    input_norm="attn_norm.weight", post_norm="ffn_norm.weight",
+    q_norm="attn_q_norm.weight", k_norm="attn_k_norm.weight",
+    embed="token_embd.weight", norm="output_norm.weight", lm_head="output.weight",
+)
+
+
 def load_gguf_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
                       dtype: torch.dtype, shard: Shard = UNSHARDED) -> ModelWeights:
     c = config
@@ -256,37 +269,7 @@ def load_gguf_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
         permute = {".attn_q.weight": c.num_heads, ".attn_q.bias": c.num_heads,
                    ".attn_k.weight": c.num_kv_heads, ".attn_k.bias": c.num_kv_heads}
     src = _GGUFTensors(gf, device, dtype, permute, shard)
-    hid, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    col, row = COLUMN_PARALLEL, ROW_PARALLEL
-    layers = []
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        q = src.get(p + "attn_q.weight", (c.q_size, hid), col)
-        k = src.get(p + "attn_k.weight", (c.kv_size, hid), col)
-        v = src.get(p + "attn_v.weight", (c.kv_size, hid), col)
-        bias = None
-        if c.qkv_bias:
-            bias = torch.cat([src.get(p + "attn_q.bias", (c.q_size,), col),
-                              src.get(p + "attn_k.bias", (c.kv_size,), col),
-                              src.get(p + "attn_v.bias", (c.kv_size,), col)])
-        gate = src.get(p + "ffn_gate.weight", (inter, hid), col)
-        up = src.get(p + "ffn_up.weight", (inter, hid), col)
-        layers.append(LayerWeights(
-            qkv=torch.cat([q, k, v]),
-            o=src.get(p + "attn_output.weight", (hid, c.q_size), row),
-            gate_up=torch.cat([gate, up]),
-            down=src.get(p + "ffn_down.weight", (hid, inter), row),
-            input_norm=src.get(p + "attn_norm.weight", (hid,)),
-            post_norm=src.get(p + "ffn_norm.weight", (hid,)),
-            qkv_bias=bias,
-            q_norm=src.get(p + "attn_q_norm.weight", (hd,)) if c.qk_norm else None,
-            k_norm=src.get(p + "attn_k_norm.weight", (hd,)) if c.qk_norm else None,
-        ))
-        del q, k, v, gate, up
-    embed = src.get("token_embd.weight", (c.vocab_size, hid))
-    lm_head = embed if c.tie_word_embeddings else src.get("output.weight", (c.vocab_size, hid))
-    return ModelWeights(embed=embed, layers=layers, norm=src.get("output_norm.weight", (hid,)),
-                        lm_head=lm_head)
+    return walk_weights(src, GGUF_NAMES, config, gf.path)
 
 
 # -- tokenizer metadata -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from .config import PRESETS, ModelConfig, preset
 from .gguf import GGUFFile, config_from_gguf, load_gguf_weights, open_gguf
+from .layer_walk import TensorNames, walk_weights
 from .llama import LayerWeights, ModelWeights
 from .shard import COLUMN_PARALLEL, ROW_PARALLEL, UNSHARDED, Shard
 
@@ -184,47 +185,22 @@ def _read_index(path: str) -> dict[str, str]:
     return weight_map
 
 
+# Hugging Face's names for the tensors of a Llama-family checkpoint.
+HF_NAMES = TensorNames(
+    layer="model.layers.{i}.",
+    q="self_attn.q_proj.weight", k="self_attn.k_proj.weight", v="self_attn.v_proj.weight",
+    q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+    v_bias="self_attn.v_proj.bias", o="self_attn.o_proj.weight",
+    gate="mlp.gate_proj.weight", up="mlp.up_proj.weight", down="mlp.down_proj.weight",
+    input_norm="input_layernorm.weight", post_norm="post_attention_layernorm.weight",
+    q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight",
+    embed="model.embed_tokens.weight", norm="model.norm.weight", lm_head="lm_head.weight",
+)
+
+
 def load_weights(path: str, config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, shard: Shard = UNSHARDED) -> ModelWeights:
-    src = _TensorSource(path, device, dtype, shard)
-    c = config
-    hid, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    col, row = COLUMN_PARALLEL, ROW_PARALLEL
-    layers = []
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        q = src.get(p + "self_attn.q_proj.weight", (c.q_size, hid), col)
-        k = src.get(p + "self_attn.k_proj.weight", (c.kv_size, hid), col)
-        v = src.get(p + "self_attn.v_proj.weight", (c.kv_size, hid), col)
-        bias = None
-        if c.qkv_bias:
-            bias = torch.cat([src.get(p + "self_attn.q_proj.bias", (c.q_size,), col),
-                              src.get(p + "self_attn.k_proj.bias", (c.kv_size,), col),
-                              src.get(p + "self_attn.v_proj.bias", (c.kv_size,), col)])
-        gate = src.get(p + "mlp.gate_proj.weight", (inter, hid), col)
-        up = src.get(p + "mlp.up_proj.weight", (inter, hid), col)
-        layers.append(LayerWeights(
-            qkv=torch.cat([q, k, v]),
-            o=src.get(p + "self_attn.o_proj.weight", (hid, c.q_size), row),
-            gate_up=torch.cat([gate, up]),
-            down=src.get(p + "mlp.down_proj.weight", (hid, inter), row),
-            input_norm=src.get(p + "input_layernorm.weight", (hid,)),
-            post_norm=src.get(p + "post_attention_layernorm.weight", (hid,)),
-            qkv_bias=bias,
-            q_norm=src.get(p + "self_attn.q_norm.weight", (hd,)) if c.qk_norm else None,
-            k_norm=src.get(p + "self_attn.k_norm.weight", (hd,)) if c.qk_norm else None,
-        ))
-        del q, k, v, gate, up
-    embed = src.get("model.embed_tokens.weight", (c.vocab_size, hid))
-    if c.tie_word_embeddings or not src.has("lm_head.weight"):
-        if not c.tie_word_embeddings:
-            raise ValueError(f"model={path!r}: tensor 'lm_head.weight' is missing and "
-                             "tie_word_embeddings is false")
-        lm_head = embed
-    else:
-        lm_head = src.get("lm_head.weight", (c.vocab_size, hid))
-    return ModelWeights(embed=embed, layers=layers, norm=src.get("model.norm.weight", (hid,)),
-                        lm_head=lm_head)
+    return walk_weights(_TensorSource(path, device, dtype, shard), HF_NAMES, config, path)
 
 
 # fp32 elements drawn at once by random_weights (256 MiB)
