@@ -120,17 +120,23 @@ class ModelConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ValueError(f"model={path!r}: no config.json in that directory")
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cfg_path!r} is not valid JSON ({e})") from e
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{cfg_path!r} must hold a JSON object, got {type(cfg).__name__}")
+        cfg = read_json_object(cfg_path)
         try:
             return cls.from_hf_config(cfg)
         except KeyError as e:
             raise ValueError(f"{cfg_path!r} lacks the field {e.args[0]!r}") from None
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON file that must hold an object (config.json, tokenizer_config.json)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path!r} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _parse_rope_scaling(cfg: dict) -> RopeScaling | None:

@@ -2,11 +2,12 @@
 tokenizer_config.json), or rebuilt from a GGUF file's tokenizer.ggml.* metadata."""
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from ..model.config import read_json_object
 
 if TYPE_CHECKING:
     import tokenizers
@@ -71,17 +72,6 @@ def _read_tokenizer_json(path: str) -> "tokenizers.Tokenizer":
         raise ValueError(f"{path!r} is not a valid tokenizer.json ({e})") from e
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path!r} is not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path!r} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _token_content(tok) -> str | None:
     """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
     if isinstance(tok, dict):
@@ -123,7 +113,7 @@ def load_tokenizer(source) -> Tokenizer | None:
     except ImportError:
         return None
     cfg_path = os.path.join(source, "tokenizer_config.json")
-    cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+    cfg = read_json_object(cfg_path) if os.path.isfile(cfg_path) else {}
     return Tokenizer(backend, chat_template=_hf_chat_template(source, cfg),
                      bos_token=_token_content(cfg.get("bos_token")),
                      eos_token=_token_content(cfg.get("eos_token")))
