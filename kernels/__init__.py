@@ -111,14 +111,14 @@ REFERENCE_OPS = Ops(
 )
 
 
-PROJECTIONS = ("cublas", "triton", "auto")
+PROJECTIONS = ("cublas", "auto")
 
 
 def select_ops(device: torch.device, use_triton: bool | None = None,
                projections: str = "auto", batch_invariant: bool = False) -> Ops:
     """use_triton=None picks Triton on CUDA when it imports; False forces the references.
-    projections: who runs the decode projections on CUDA: "cublas", "triton" (the small-M
-    kernels of kernels/linear_triton.py) or "auto" (Triton for one-row batches, cuBLAS above).
+    projections: who runs the decode projections on CUDA: "cublas" or "auto" (Triton for
+    one-row batches and, with their epilogues fused, for 33-64 rows; cuBLAS elsewhere).
     batch_invariant: kernels whose per-row results do not depend on the batch (Triton only; it
     overrides projections)."""
     if projections not in PROJECTIONS:
@@ -126,13 +126,11 @@ def select_ops(device: torch.device, use_triton: bool | None = None,
     if device.type != "cuda" or use_triton is False:
         return REFERENCE_OPS
     try:
-        from .triton_ops import (BATCH_INVARIANT_OPS, TRITON_OPS, TRITON_PROJECTION_OPS,
-                                 TRITON_SINGLE_ROW_OPS)
+        from .triton_ops import BATCH_INVARIANT_OPS, TRITON_OPS, TRITON_SINGLE_ROW_OPS
     except ImportError:
         if use_triton or batch_invariant:
             raise
         return REFERENCE_OPS
     if batch_invariant:
         return BATCH_INVARIANT_OPS
-    return {"cublas": TRITON_OPS, "triton": TRITON_PROJECTION_OPS,
-            "auto": TRITON_SINGLE_ROW_OPS}[projections]
+    return {"cublas": TRITON_OPS, "auto": TRITON_SINGLE_ROW_OPS}[projections]

@@ -10,11 +10,6 @@ import triton
 # through the module: tests patch its functions (tests/test_triton_compile.py)
 from . import linear_triton as lt
 
-# No row limit: prefills must be invariant too, since sync and async mode admit requests at
-# different steps and so pack different prefill batches (long prefills pay for it: this kernel
-# is no GEMM for thousands of rows).
-INVARIANT_MAX_ROWS = 1 << 62
-
 
 def invariant_config(n: int, k: int) -> lt.LinearConfig:
     """One config per weight shape, whatever the row count: a row's sum then runs over the same
@@ -27,16 +22,19 @@ def invariant_config(n: int, k: int) -> lt.LinearConfig:
     return lt.LinearConfig(64, block_n, block_k, split)
 
 
+# No row limit (max_rows=None below): prefills must be invariant too, since sync and async mode
+# admit requests at different steps and so pack different prefill batches (long prefills pay
+# for it: this kernel is no GEMM for thousands of rows).
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not lt.supported(x, weight, 1, bias, max_rows=INVARIANT_MAX_ROWS):
+    if not lt.supported(x, weight, 1, bias, max_rows=None):
         return F.linear(x, weight, bias)
     return lt._launch(x, None, None, 0.0, weight, bias, invariant_config(*weight.shape))[0]
 
 
 def silu_mul_linear_invariant(gate_up: torch.Tensor, weight: torch.Tensor,
                               bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not lt.supported(gate_up, weight, 2, bias, max_rows=INVARIANT_MAX_ROWS):
+    if not lt.supported(gate_up, weight, 2, bias, max_rows=None):
         return lt.silu_mul_then_linear(gate_up, weight, bias)
     return lt._launch(gate_up, None, None, 0.0, weight, bias, invariant_config(*weight.shape),
                       gated=True)[0]

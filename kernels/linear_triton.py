@@ -11,10 +11,11 @@ small kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
 Numerics: bf16/fp16 only (fp32 goes to torch: tensor-core dots would round it to tf32). Given
 one config, a row's result does not depend on M or on the other rows (its sum runs over the same
 K blocks in the same order); pick_config varies the config with M, invariant_config does not.
-The fused norm (NORM_ONE_PASS) rounds differently from kernels/rmsnorm.py: the input is rounded
-once, as (x + residual) * norm weight, and the 1 / rms factor scales the fp32 dot products, where
-the separate kernel rounds the normalised row and then its product with the weight; the results
-agree within the dtype's reduction tolerance, not bitwise. The two-pass form keeps rmsnorm.py's
+The fused norm runs in one pass (ONE_PASS) and rounds differently from kernels/rmsnorm.py: the
+input is rounded once, as (x + residual) * norm weight, and the 1 / rms factor scales the fp32
+dot products, where the separate kernel rounds the normalised row and then its product with the
+weight; the results agree within the dtype's reduction tolerance, not bitwise. Under split K no
+program sees the whole row, and a mean-square pass comes first (two-pass), keeping rmsnorm.py's
 rounding points, with the mean square summed in BLOCK_K pieces.
 """
 from __future__ import annotations
@@ -42,17 +43,6 @@ MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
 # the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
 # launches (tools/tune_linear.py, H100), while at one row they saved 7-10%.
 FUSE_MAX_ROWS = 1
-# The fused norm in one pass over the input: the tiles are multiplied by the norm weight as
-# they stream through the dot loop, each row's sum of squares accumulates alongside, and the
-# dot products are scaled by 1 / rms at the end. The two-pass form (a mean-square pass first,
-# then the input normalised exactly as kernels/rmsnorm.py rounds it) stays for split K, where
-# no program sees the whole row, and for comparison (tools/decode_variants.py).
-NORM_ONE_PASS = True
-# Projections of up to this many rows launch as programmatic dependents (kernels/pdl.py); no
-# limit unless a tool sets one to compare. (A limit would also split the batch-invariant
-# projections into a PDL build for small row counts and a normal one above, which may round
-# differently by an ulp: no longer batch-invariant.)
-PDL_MAX_ROWS = 1 << 62
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -410,12 +400,13 @@ def _split_k(programs: int, want_programs: int, k: int, block_k: int) -> int:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
-              *others: torch.Tensor | None, max_rows: int = MAX_ROWS) -> bool:
+              *others: torch.Tensor | None, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether the kernel takes these operands. width: x's columns per weight column (2 for
-    [gate | up]); others: bias, residual, norm weight (None where absent) must match x's dtype
+    [gate | up]); max_rows: the most rows it takes (None: any); others: bias, residual, norm weight (None where absent) must match x's dtype
     and device and be dense, else the caller falls back to torch."""
     if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == width * weight.shape[1]
-            and 0 < x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
+            and 0 < x.shape[0] and (max_rows is None or x.shape[0] <= max_rows)
+            and x.dtype in (torch.bfloat16, torch.float16)
             and (x.is_cuda or _INTERPRET) and x.stride(-1) == 1):
         return False
     return all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
@@ -468,7 +459,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
                          f"{x.dtype} output within a landing box")
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
-    dependent = pdl.enabled(x, projection=True) and m <= PDL_MAX_ROWS
+    dependent = pdl.enabled(x)
     r = residual if residual is not None else (res_out if res_out is not None else x)
     g = ss = None
     if norm_out is not None:
@@ -495,7 +486,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         gather.box_bytes // x.element_size() if gather is not None else 0,
         NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
         HAS_BIAS=bias is not None,
-        ONE_PASS=norm_weight is not None and split == 1 and NORM_ONE_PASS,
+        ONE_PASS=norm_weight is not None and split == 1,
         SILU_OUT=silu_out, RES_OUT=res_out is not None,
         NORM_OUT=norm_out is not None and split == 1, ROW_SCALE=row_scale is not None,
         BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)),

@@ -12,11 +12,8 @@ GRAPHEXEC_PDL picks the kernels:
   "all" (the default): the Triton projections, and RMSNorm, rope + KV write, decode attention,
       silu * mul and the step's tail after the LM head (stop-token mask, sampling, argmax,
       advance), which wait first thing and signal their dependents, so the projection after
-      them can fetch its weights while they run (llama-1b batch 1 on an H100: 1.173 ms a
-      decode step against 1.192 with "projections", docs/benchmarks.md);
-  "projections" (or "1"): the Triton projections only (kernels/linear_triton.py), 2.5-3.3%
-      faster decode steps at batch 1 than "off";
-  "off" (or "0"): none.
+      them can fetch its weights while they run;
+  "off": none.
 Every kernel launched normally still waits for the whole previous kernel, as before.
 
 A kernel's PDL variant is compiled separately and may round differently in the last bit (about
@@ -47,16 +44,14 @@ except ImportError:  # pragma: no cover - a Triton without PDL: the kernels laun
     def gdc_launch_dependents():
         pass
 
-MODES = ("off", "projections", "all")
-_ALIASES = {"0": "off", "1": "projections"}
+MODES = ("off", "all")
 
 
 def mode_from_env() -> str:
     value = os.environ.get("GRAPHEXEC_PDL", "all").strip().lower()
-    value = _ALIASES.get(value, value)
     if value not in MODES:
         raise ValueError(f"GRAPHEXEC_PDL={os.environ['GRAPHEXEC_PDL']!r} is not one of "
-                         f"{MODES} (or 0 / 1)")
+                         f"{MODES}")
     return value
 
 
@@ -69,16 +64,10 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-# The tail kernels (after the LM head) as dependents too, under "all"; tools/decode_variants.py
-# turns it off to measure it.
-TAIL = True
-
-
-def enabled(x: torch.Tensor, projection: bool, tail: bool = False) -> bool:
-    """Whether a kernel working on x launches as a programmatic dependent. projection: the
-    Triton projections (mode "projections" or "all"); the other kernels need mode "all", and
-    tail kernels (stop-token mask, sampling, argmax, advance) TAIL as well."""
-    if mode == "off" or (mode == "projections" and not projection) or (tail and not TAIL):
+def enabled(x: torch.Tensor, projection: bool = False, tail: bool = False) -> bool:
+    """Whether a kernel working on x launches as a programmatic dependent: mode "all" on an
+    sm_90+ GPU. (projection and tail no longer change the answer; callers may drop them.)"""
+    if mode == "off":
         return False
     if not (AVAILABLE and not _INTERPRET and x.is_cuda):
         return False
@@ -88,7 +77,7 @@ def enabled(x: torch.Tensor, projection: bool, tail: bool = False) -> bool:
 
 @triton.jit
 def prologue(PDL: tl.constexpr):
-    """First thing in a kernel that may be launched as a dependent (mode "all"): let the next
+    """First thing in a kernel that may be launched as a dependent: let the next
     kernel launch, then wait for the previous one. Nothing may be read or written before it."""
     if PDL:
         gdc_launch_dependents()

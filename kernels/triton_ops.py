@@ -1,6 +1,5 @@
 """The Triton implementations of `Ops` (CUDA): TRITON_OPS (projections on cuBLAS),
-TRITON_PROJECTION_OPS (projections on kernels/linear_triton.py), TRITON_SINGLE_ROW_OPS (Triton
-for one-row batches, cuBLAS above: the default) and BATCH_INVARIANT_OPS (per-row results
+TRITON_SINGLE_ROW_OPS (Triton for one-row batches and 33-64 rows, cuBLAS elsewhere: the default) and BATCH_INVARIANT_OPS (per-row results
 independent of the batch). Every function has the signature and semantics of the
 reference it replaces (kernels/attention.py, linear.py, rmsnorm.py, rope.py, sampling.py) and
 launches with grids taken from tensor shapes only, so a decode iteration built from them can be
@@ -66,13 +65,6 @@ TRITON_OPS = Ops(
     silu_mul_linear=linear_triton.silu_mul_then_linear,
     rope_decode_attention=attention_triton.rope_decode_attention,
 )
-
-# The same with the projections on Triton (EngineConfig.projections="triton").
-TRITON_PROJECTION_OPS = replace(TRITON_OPS, name="triton-projections",
-                                linear=linear_triton.linear,
-                                norm_linear=linear_triton.norm_linear,
-                                silu_mul_linear=linear_triton.silu_mul_linear)
-
 
 # The widest weight (the LM head) stays on Triton up to WIDE_MAX_ROWS rows, after the separate
 # norm kernel: tools/tune_linear.py measured 347.5 against cuBLAS's 375.5 us at 5 rows for
@@ -146,22 +138,6 @@ FUSED_QKV_TRITON_MAX_ELEMENTS = 8 << 20
 RANK_QKV_TRITON_MAX_ELEMENTS = 16 << 20
 
 
-# The LM head of a 33-64-row batch on the tensor-core Triton kernel (after the norm kernel, as a
-# PDL dependent, its first weight tiles warmed in L2 by the last down projection) instead of
-# cuBLAS (H100, decode_variants, 2026-11-24, 71f9502..8fb8a15): llama-1b batch 64 1.3291 ms a
-# step against 1.3426 / 1.3461 on one machine, level within noise on another (1.3491-1.3571 against
-# 1.3409-1.3509); batch 48 1.3547 against 1.3658; llama-8b batch 64 6.999 against 7.102. Alone
-# (tune_fused --wide, 64 rows) 194.2 us against cuBLAS's 195.4 at 64 x 64 tiles, 191.9 at the
-# shipped 128 x 128 x 3 stages, which was ahead of 64 x 64 in GPU busy in three of three pairs
-# of llama-1b batch-64 steps (1.3342 / 1.3358 / 1.3235 against 1.347 / 1.3418 / 1.3312 ms).
-FUSED_LM_HEAD = True
-
-
-# o and down begin the norm after them in their epilogue (linear_fused_triton.Prenormed), and the
-# projection after the norm finishes it, where both run here: no norm kernel between them.
-PRENORM = True
-
-
 def _plain(x):
     """The stream as a tensor, whether or not a projection began its next norm."""
     return x.h if isinstance(x, linear_fused_triton.Prenormed) else x
@@ -215,7 +191,7 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
             return linear_triton.linear(x.x, weight, bias, config, max_rows=max_rows,
                                         **_warm_next(weight, "qkv")), x.summed
         if weight.shape[0] >= WIDE_WEIGHT_ROWS:  # the LM head
-            if not (FUSED_LM_HEAD and fused(x)):
+            if not fused(x):
                 return base.norm_linear(_plain(x), residual, norm_weight, eps, weight, bias)
             normed, summed = linear_triton._norm(_plain(x), residual, norm_weight, eps)
             config = linear_fused_triton.pick_fused_config(x.shape[0], *weight.shape, "lm_head")
@@ -240,7 +216,7 @@ def fused_ops(base: Ops, min_rows: int, max_rows: int, rank: int | None = None) 
             return base.rope_decode_attention(q, *args, prefetch=True, **kwargs)
         return base.rope_decode_attention(q, *args, **kwargs)
 
-    prenorm = PRENORM and rank is None
+    prenorm = rank is None
 
     def add(x, weight, residual, next_norm, kind, push=None):
         """x's projection plus the residual; a rank's partial sum alone (sent to the peers

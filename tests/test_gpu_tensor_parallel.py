@@ -50,8 +50,8 @@ def test_sharded_bf16_logits_over_the_epilogue_fused_rows(hf_dirs_moderate):
 
 def _logits_with_and_without_pushes(shard, device, models, prompts):
     """The 33-64-row prefill's logits: as shipped; with the all-reduce sending the partial sums
-    (symmetric.EPILOGUE_PUSH off); and with the NCCL all-gather after a cuBLAS LM head too
-    (GATHER_IN_LM_HEAD off). For each run: whether each all-reduce took pushed words, and how
+    (the reducer offering no push target); and with the NCCL all-gather after a cuBLAS LM head
+    too (no gather target either). For each run: whether each all-reduce took pushed words, and how
     many LM heads returned the whole logits (kernels/gather_triton.py)."""
     from graphexec.kernels import Pushed, linear_fused_triton
     from graphexec.model.shard import Shard
@@ -78,9 +78,13 @@ def _logits_with_and_without_pushes(shard, device, models, prompts):
 
     Shard.all_reduce, Shard.all_reduce_norm = spy("all_reduce"), spy("all_reduce_norm")
     linear_fused_triton.linear_gathered = spy_head
+    shipped = {"push": symmetric.TritonAllReduce.push,
+               "gather": symmetric.TritonAllReduce.gather}
     runs = []
     for push, gather in ((True, True), (False, True), (False, False)):
-        symmetric.EPILOGUE_PUSH, symmetric.GATHER_IN_LM_HEAD = push, gather
+        reducer = symmetric.TritonAllReduce
+        reducer.push = shipped["push"] if push else (lambda self, slot: None)
+        reducer.gather = shipped["gather"] if gather else (lambda self: None)
         seen["pushed"], seen["gathered"] = [], 0
         logits = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
         runs.append((logits, seen["pushed"], seen["gathered"]))
@@ -190,16 +194,14 @@ def _reduce_both_ways(shard, device, shapes):
     return type(shard.reducer).__name__, out
 
 
-@pytest.mark.parametrize("kind", ["symm_mem", "triton"])
-def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch, kind):
-    """The one-shot reducers (GRAPHEXEC_ALL_REDUCE=symm_mem, =triton) sum what NCCL sums, bit
-    for bit at two ranks (one rounding of the same exact sum), also replayed from a captured
-    graph; a message over their size limit goes to NCCL."""
-    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", kind)
+def test_symmetric_all_reduce_equals_nccl_eager_and_in_a_graph(monkeypatch):
+    """The one-shot reducer (GRAPHEXEC_ALL_REDUCE=triton) sums what NCCL sums, bit for bit at
+    two ranks (one rounding of the same exact sum), also replayed from a captured graph; a
+    message over its size limit goes to NCCL."""
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
     shapes = [(1, 4096), (64, 4096), (7, 2048), (1024, 4096)]  # the last one: 8 MiB, NCCL
     reducers, ranks = zip(*on_every_rank(_reduce_both_ways, (shapes,), 2, CUDA))
-    want_reducer = {"symm_mem": "SymmetricAllReduce", "triton": "TritonAllReduce"}[kind]
-    assert reducers == (want_reducer, want_reducer)
+    assert reducers == ("TritonAllReduce", "TritonAllReduce")
     for i, shape in enumerate(shapes):
         fits, x0, eager, captured, nccl = ranks[0][i]
         x1 = ranks[1][i][1]

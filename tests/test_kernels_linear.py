@@ -191,17 +191,22 @@ def test_model_forward_with_triton_projections(K, hf_dirs_moderate, packed):
     fp32 reference model, than with cuBLAS ones (every other kernel the same). packed: three
     prompts in one forward (22 rows, no fused norm), else one prompt per forward (2-13 rows, the
     norm fused)."""
+    from dataclasses import replace
+
     from graphexec.kernels import REFERENCE_OPS
-    from graphexec.kernels.triton_ops import TRITON_OPS, TRITON_PROJECTION_OPS
+    from graphexec.kernels.triton_ops import TRITON_OPS
     from test_hf_parity import PROMPTS, _graphexec_prefill_logits
 
+    lt = K.lt
+    projection_ops = replace(TRITON_OPS, linear=lt.linear, norm_linear=lt.norm_linear,
+                             silu_mul_linear=lt.silu_mul_linear)
     path, _ = hf_dirs_moderate["qwen2"]  # qkv bias: the kernel's bias epilogue too
     dev = str(DEV)
     for prompts in [PROMPTS] if packed else [[p] for p in PROMPTS]:
         truth = _graphexec_prefill_logits(path, dev, torch.float32, prompts, ops=REFERENCE_OPS)
         cublas = _graphexec_prefill_logits(path, dev, torch.bfloat16, prompts, ops=TRITON_OPS)
         ours = _graphexec_prefill_logits(path, dev, torch.bfloat16, prompts,
-                                         ops=TRITON_PROJECTION_OPS)
+                                         ops=projection_ops)
         for mine, base, exact in zip(ours, cublas, truth):
             err = ((mine - exact).norm() / exact.norm()).item()
             base_err = ((base - exact).norm() / exact.norm()).item()
@@ -284,9 +289,8 @@ def test_model_decode_equals_prefill_with_batch_invariant_kernels(K, hf_dirs_mod
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU_MODE or INTERPRET or not torch.cuda.is_available(),
                     reason="programmatic dependent launch needs a real sm_90+ GPU")
-@pytest.mark.parametrize("mode", ["projections", "all"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m, mode, monkeypatch):
+def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m, monkeypatch):
     """Projections launched as programmatic dependents start while the kernel before them
     drains and fetch a weight tile before waiting for it. A chain where each projection eats
     the previous one's output (fused norm and silu * mul included, and a torch kernel in
@@ -294,14 +298,14 @@ def test_dependent_launch_chain_in_a_graph_equals_serialized_launches(m, mode, m
     kernels run eagerly with a device synchronisation after each (no overlap possible), bit for
     bit: one input read before its producer finished would show up as a stale value from the
     previous replay. (Against launches without PDL it is not bitwise: the PDL variant is
-    compiled differently and rounds an element in a thousand by one ulp.) Mode "all" adds the
-    Triton RMSNorm and silu * mul kernels to the chain as dependents too."""
+    compiled differently and rounds an element in a thousand by one ulp.) The Triton RMSNorm
+    and silu * mul kernels are in the chain as dependents too."""
     from graphexec.kernels import activation_triton, norm_rope_triton
     from graphexec.kernels import linear_triton as lt
     from graphexec.kernels import pdl
 
-    monkeypatch.setattr(pdl, "mode", mode)
-    if not pdl.enabled(torch.empty(1, device="cuda"), projection=True):
+    monkeypatch.setattr(pdl, "mode", "all")
+    if not pdl.enabled(torch.empty(1, device="cuda")):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
     h, inter = 2048, 4096
     w_sq = _randn((h, h), torch.bfloat16, 30, h ** -0.5)

@@ -337,13 +337,16 @@ def test_the_all_reduce_kind_rank_0_picks(monkeypatch):
     monkeypatch.setattr(symmetric, "_mapped_once", False)
     monkeypatch.delenv("GRAPHEXEC_ALL_REDUCE", raising=False)
     assert symmetric.pick(cuda) == "triton" and symmetric.pick(cpu) == "nccl"
-    for kind in ("triton", "symm_mem", "nccl"):
+    for kind in ("triton", "nccl"):
         monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", kind)
         assert symmetric.pick(cuda) == kind
         assert symmetric.pick(cpu) == "nccl"
     monkeypatch.setattr(symmetric, "_mapped_once", True)
     monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "triton")
     assert symmetric.pick(cuda) == "nccl"
+    monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "symm_mem")  # torch's one-shot kind is gone
+    with pytest.raises(ValueError, match="GRAPHEXEC_ALL_REDUCE='symm_mem'"):
+        symmetric.pick(cuda)
     monkeypatch.setenv("GRAPHEXEC_ALL_REDUCE", "custom")
     with pytest.raises(ValueError, match="GRAPHEXEC_ALL_REDUCE='custom'"):
         symmetric.pick(cuda)

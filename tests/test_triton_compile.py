@@ -158,7 +158,7 @@ def test_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
     from graphexec.kernels import linear_triton as lt
     from graphexec.kernels import pdl
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: projection)
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     h, qkv, inter = 2048, 3072, 8192
     for m in (1, 16):
         x, res = _bf16(m, h), _bf16(m, h)
@@ -192,7 +192,7 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     from graphexec.kernels import attention_triton
     from graphexec.kernels.attention_triton import decode_attention_splits
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
     ops.rms_norm(_bf16(t, 2048), _bf16(2048), 1e-5)
     ops.add_rms_norm(_bf16(t, 2048), _bf16(t, 2048), _bf16(2048), 1e-5)
@@ -352,7 +352,7 @@ def test_all_reduce_kernel_compiles_to_wide_pushes_and_volatile_polls(compiled, 
     from graphexec.kernels import all_reduce_triton as ar
     from graphexec.kernels import pdl
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     words_per_thread = ar.BLOCK // (32 * ar.NUM_WARPS)
     box = ar.PeerAreas.box_words(3 << 20)  # an area's boxes as symmetric.py sizes them
     ar.all_reduce(torch.zeros(1, 4096, dtype=torch.float32),
@@ -390,7 +390,7 @@ def test_projections_push_whole_words_and_the_all_reduce_then_sends_none(compile
     from graphexec.kernels import linear_fused_triton as lf
     from graphexec.kernels import pdl
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     areas = ar.PeerAreas(0, 2, torch.zeros(2, dtype=torch.int64),
                          ar.PeerAreas.box_words(4 << 20))
     lf.linear_partial(_bf16(64, 2048), _bf16(4096, 2048), push=ar.Push(areas, 0))
@@ -424,7 +424,7 @@ def test_the_lm_head_lands_its_tiles_and_releases_one_arrival_a_program(compiled
     from graphexec.kernels import linear_fused_triton as lf
     from graphexec.kernels import pdl
 
-    monkeypatch.setattr(pdl, "enabled", lambda x, projection, tail=False: True)
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     ptrs = torch.zeros(2, dtype=torch.int64)
     landing = gt.Landing(1, 2, ptrs, ptrs, torch.zeros(2 << 24, dtype=torch.uint8),
                          torch.zeros(1, dtype=torch.int64), 16 << 20)

@@ -10,20 +10,18 @@ larger ones (prefill chunks) keep NCCL. No NVLink multicast is involved.
 GRAPHEXEC_ALL_REDUCE picks the implementation:
   "triton" (the default): ours (kernels/all_reduce_triton.py), launched as a programmatic
       dependent, so the next projection fetches its first weight tiles during the exchange, and
-      pushing each rank's partial to its peers with the flag inside every word: on two H200s
-      (llama-8b, 2026-11-26, docs/benchmarks.md "Tensor parallelism") the size-2 decode step
-      took 2.632 ms at batch 1 and 3.452 ms at batch 64, against 3.069 / 3.965 with NCCL;
-  "nccl": the group's NCCL all-reduce;
-  "symm_mem": torch's one_shot_all_reduce (on two H100s, llama-8b, 2026-11-25, about 9 us an
-      all-reduce at batch 1, the wait for the other rank included; the step no faster than
-      with NCCL: 3.60 against 3.54 ms, 5.01 against 4.94 ms at batch 64).
+      pushing each rank's partial to its peers with the flag inside every word; it also does
+      the residual add and RMSNorm after it, o and down on Triton send their partial sums from
+      their epilogue, and a rank's LM head at 33-64 rows lands its logits in its peers' memory
+      (docs/architecture.md, "Tensor parallelism");
+  "nccl": the group's NCCL all-reduce.
 
 One mapping a process: in a process that has mapped a symmetric buffer once, a second
 rendezvous (a second tensor-parallel engine whose workers are new processes) never completed
 on two H200s, with group names made unique too: torch's CUDA symmetric memory appears to number
 the store keys of its rendezvous with one counter per process (read in its source, not yet
 confirmed on a device), so rank 0 and a new worker wait on different keys. Rank 0 therefore
-asks for the symmetric kinds only the first time (pick); later engines of the process use NCCL,
+asks for the Triton kind only the first time (pick); later engines of the process use NCCL,
 and every rank follows rank 0's pick.
 """
 from __future__ import annotations
@@ -34,30 +32,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
-# The one-shot kernel sends its whole message to each of the (size - 1) peers: cheap for two
-# ranks at any decode batch, worse than NCCL's ring for large messages on many ranks. Above
-# this size a message goes to NCCL. On two H200s (tools/bench_all_reduce.py, 2026-11-26) the
-# kernel took 2.0 us at 8 KiB, 5.0 at 512 KiB and 26.1 at 4 MiB against NCCL's 16.3, 22.6 and
-# 47.7 in the same graphs. Measured at size 2 only; the split for more ranks is a guess.
+# Above this size (at two ranks; half at four, ...) a message goes to NCCL: the one-shot
+# kernel sends the whole message to each peer, cheap for small ones only.
 ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
-
-
-# The Triton all-reduce ends in the residual add and RMSNorm that follow it in the model
-# (Shard.all_reduce_norm) where it can; False runs them as before, to compare.
-FUSED_NORM = True
-
-# o and down, where they run on Triton, send their partial sums to the peers from their
-# epilogue (kernels/all_reduce_triton.Push), and the all-reduce after them only waits and sums;
-# False leaves the sending to the all-reduce, to compare.
-EPILOGUE_PUSH = True
-# A rank's LM head at 33-64 rows lands its logits in its peers' memory from its epilogue
-# (kernels/gather_triton.py) instead of an NCCL all-gather after it; False: the all-gather, to
-# compare. Each rank's zone holds a box of GATHER_BOX_BYTES per rank: a 64-row bf16 slice of up
-# to 131,072 columns (llama-8b's 128,256-token vocabulary at size 1, 64,128 at size 2).
-GATHER_IN_LM_HEAD = True
+# Each rank's landing zone for the LM head's gather holds a box of this many bytes per rank: a
+# 64-row bf16 slice of up to 131,072 columns.
 GATHER_BOX_BYTES = 16 << 20
 
-CHOICES = ("nccl", "triton", "symm_mem")
+CHOICES = ("nccl", "triton")
 DEFAULT = "triton"
 # Whether this process has mapped a symmetric buffer (module docstring).
 _mapped_once = False
@@ -94,26 +76,6 @@ def _mapped(group: dist.ProcessGroup, device: torch.device, nbytes: int):
             enable(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     return buffer, symm_mem.rendezvous(buffer, group.group_name)
-
-
-class SymmetricAllReduce:
-    """torch's one-shot op over one rank's mapped buffer ("symm_mem")."""
-
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
-        self.group_name = group.group_name
-        self.max_bytes = 2 * ONE_SHOT_BYTES_AT_SIZE_2 // size
-        self.buffer, _ = _mapped(group, device, self.max_bytes)
-
-    def fits(self, t: torch.Tensor) -> bool:
-        return t.is_contiguous() and t.numel() * t.element_size() <= self.max_bytes
-
-    def __call__(self, t: torch.Tensor, slot: int) -> torch.Tensor:
-        """The sum of every rank's t, in a new tensor (t is only read). The copy into the mapped
-        buffer happens inside the same kernel. slot: unused here."""
-        staged = self.buffer.view(t.dtype)[: t.numel()].view_as(t)
-        out = torch.empty_like(t)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, t, "sum", self.group_name, out)
-        return out
 
 
 class TritonAllReduce:
@@ -153,14 +115,13 @@ class TritonAllReduce:
         return self._kernel.fits(self.areas, t)
 
     def gather(self):
-        """Where a rank's LM head lands its logits in the peers' memory (GATHER_IN_LM_HEAD),
-        or None."""
-        return self.landing if GATHER_IN_LM_HEAD else None
+        """Where a rank's LM head lands its logits in the peers' memory."""
+        return self.landing
 
     def push(self, slot: int):
         """Where a projection sends its output as this rank's message of the all-reduce in
-        slot (EPILOGUE_PUSH), or None."""
-        return self._pushes[slot] if EPILOGUE_PUSH else None
+        slot."""
+        return self._pushes[slot]
 
     def __call__(self, t: torch.Tensor, slot: int, pushed: bool = False) -> torch.Tensor:
         """The sum of every rank's t, in a new tensor. slot: 0 or 1, alternating between
@@ -173,7 +134,7 @@ class TritonAllReduce:
 
     def fits_norm(self, t: torch.Tensor, residual: torch.Tensor,
                   norm_weight: torch.Tensor) -> bool:
-        return FUSED_NORM and self._kernel.fits_norm(self.areas, t, residual, norm_weight)
+        return self._kernel.fits_norm(self.areas, t, residual, norm_weight)
 
     def add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                      eps: float, slot: int, pushed: bool = False
@@ -196,7 +157,7 @@ class TritonAllReduce:
 
 def pick(device: torch.device) -> str:
     """Rank 0's choice for a new engine: GRAPHEXEC_ALL_REDUCE's kind on CUDA, NCCL (or gloo)
-    where a symmetric kind cannot run: on the CPU, or in a process that mapped a buffer
+    where the Triton kind cannot run: on the CPU, or in a process that mapped a buffer
     before (module docstring)."""
     kind = choice()
     if device.type != "cuda" or (kind != "nccl" and _mapped_once):
@@ -205,7 +166,7 @@ def pick(device: torch.device) -> str:
 
 
 def make_reducer(kind: str, group: dist.ProcessGroup, device: torch.device,
-                 size: int) -> SymmetricAllReduce | TritonAllReduce | None:
+                 size: int) -> TritonAllReduce | None:
     """The reducer of kind (pick's; every rank passes rank 0's), or None for the group's own
     all-reduce (NCCL, or gloo on the CPU)."""
     global _mapped_once
@@ -214,6 +175,4 @@ def make_reducer(kind: str, group: dist.ProcessGroup, device: torch.device,
     if kind == "nccl":
         return None
     _mapped_once = True
-    if kind == "triton":
-        return TritonAllReduce(group, device, size)
-    return SymmetricAllReduce(group, device, size)
+    return TritonAllReduce(group, device, size)

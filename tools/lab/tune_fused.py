@@ -3,8 +3,8 @@ the unfused cuBLAS path they replace, on a model's layer shapes: every projectio
 with their own weights (so nothing is served from L2) replayed from one CUDA graph, the way the
 decode step chains them.
 
-    python tools/tune_fused.py --model llama-1b --batches 16 64
-    python tools/tune_fused.py --model llama-8b --tp 2 --batches 64   # one rank's shapes
+    python tools/lab/tune_fused.py --model llama-1b --batches 16 64
+    python tools/lab/tune_fused.py --model llama-8b --tp 2 --batches 64   # one rank's shapes
 
 Per kind (o and down with the residual in their epilogue, gate_up with silu * mul in its, qkv
 plain) the candidate configs in microseconds per layer, against the cuBLAS kernels they
@@ -24,12 +24,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graphexec.kernels import activation_triton as at  # noqa: E402
 from graphexec.kernels import linear_fused_triton as lf  # noqa: E402
 from graphexec.kernels import linear_triton as lt  # noqa: E402
 from graphexec.kernels import norm_rope_triton as nr  # noqa: E402
+from graphexec.kernels import pdl  # noqa: E402
 from tune_linear import SHAPES, time_graph  # noqa: E402
 
 LAYERS = 16
@@ -146,14 +147,14 @@ def main() -> None:
         chain = dict(m=m, kind="layer chain", cublas_us=round(time_graph(cublas_chain, LAYERS)
                                                              * 1e6, 2),
                      configs={k: vars(c) for k, c in best.items()})
-        pdl_limit = lt.PDL_MAX_ROWS
-        for pdl_rows in (pdl_limit, 0):  # projections as programmatic dependents, or not
-            lt.PDL_MAX_ROWS = pdl_rows
+        shipped_mode = pdl.mode
+        for mode in (shipped_mode, "off"):  # programmatic dependents (GRAPHEXEC_PDL), or not
+            pdl.mode = mode
             for qkv_triton in (0, 1):
                 fn = lambda i: fused_chain(i, qkv_triton)
-                key = f"fused_qkv{'triton' if qkv_triton else 'cublas'}_pdl{int(pdl_rows > 0)}_us"
+                key = f"fused_qkv{'triton' if qkv_triton else 'cublas'}_pdl{int(mode != 'off')}_us"
                 chain[key] = round(time_graph(fn, LAYERS) * 1e6, 2)
-        lt.PDL_MAX_ROWS = pdl_limit
+        pdl.mode = shipped_mode
         for mib in args.l2_mib:  # each projection warming L2 with the next one's weight
             chain[f"fused_qkvtriton_pdl1_l2_{mib}mib_us"] = round(
                 time_graph(lambda i: fused_chain(i, 1, l2=int(mib * 2**20)), LAYERS) * 1e6, 2)

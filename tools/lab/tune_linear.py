@@ -2,8 +2,8 @@
 kernels/linear_triton.py against cuBLAS (F.linear), per model shape and batch, as it runs in the
 decode step: inside a CUDA graph, over enough weight copies that nothing is served from L2.
 
-    python tools/tune_linear.py --models llama-1b llama-8b --batches 1 16 64 --out out/
-    python tools/tune_linear.py --models llama-8b --tp 2 --batches 64   # one rank's shapes
+    python tools/lab/tune_linear.py --models llama-1b llama-8b --batches 1 16 64 --out out/
+    python tools/lab/tune_linear.py --models llama-8b --tp 2 --batches 64   # one rank's shapes
 
 Prints, per (shape, M), cuBLAS and the best configs with their fraction of copy bandwidth, and
 what the fused RMSNorm and silu * mul prologues cost; writes everything to tune_linear.json.
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from graphexec.kernels import linear_triton as lt  # noqa: E402
 from graphexec.kernels import linear_invariant_triton as li  # noqa: E402
 from graphexec.kernels import norm_rope_triton as nr  # noqa: E402
