@@ -44,10 +44,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
-
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in the text (`<|im_start|>`) become their ids either way;
         add_special_tokens adds what the tokenizer's post-processor adds (a BOS, say)."""
