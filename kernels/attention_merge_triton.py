@@ -1,15 +1,12 @@
 """Merging the splits of flash-decoding (kernels/attention_triton.py): a row's context is cut
-into splits whose partial results (running max, sum, accumulator) are combined here, either by
-the split kernel's last program (an atomic ticket per row and KV head, counters below) or by
-_decode_reduce_kernel as a second launch. Same result as the reference's single softmax over
-the row (kernels/attention.py)."""
+into splits whose partial results (running max, sum, accumulator) are combined here by the
+split kernel's last program (an atomic ticket per row and KV head, counters below). Same
+result as the reference's single softmax over the row (kernels/attention.py)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from . import pdl
 
 
 @triton.jit
@@ -54,22 +51,6 @@ def _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, 
     o = tl.where(total[:, None] > 0, o / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b64 * so0 + heads[:, None] * so1 + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (d < D)[None, :])
-
-
-@triton.jit
-def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, sl_ptr, G, D, NUM_SPLITS, MIN_TILES,
-                          so0, so1, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
-                          BLOCK_D: tl.constexpr, MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """The merge as its own launch (MERGE=False): program (b, kh) merges the G heads of a row
-    that used several splits; a row of one split already stored its output."""
-    pdl.prologue(PDL)
-    b64 = tl.program_id(0).to(tl.int64)
-    kh64 = tl.program_id(1).to(tl.int64)
-    n_tiles = tl.cdiv(tl.load(sl_ptr + b64), BLOCK_N)
-    n_split = tl.minimum(tl.maximum(tl.cdiv(n_tiles, MIN_TILES), 1), NUM_SPLITS)
-    if n_split > 1:
-        _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, n_split,
-                      tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D, MERGE_SPLITS)
 
 
 _MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .attention_merge_triton import (_MERGE_ELEMENTS, _OUTGROWN, _decode_reduce_kernel,  # noqa: F401
-                                     _merge_splits, _split_counters, _store_normalized)
+from .attention_merge_triton import (_MERGE_ELEMENTS, _merge_splits, _split_counters,
+                                     _store_normalized)
 from .norm_rope_triton import rotate_pair
 from .write_kv_triton import _cache_ok, write_kv  # noqa: F401  (write_kv: re-exported)
 
@@ -100,8 +100,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                          skn0, skn1, svn0, svn1, sc0,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
-                         MERGE_SPLITS: tl.constexpr, MERGE: tl.constexpr,
-                         DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+                         MERGE_SPLITS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                          PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
     A row uses n_split = min(NUM_SPLITS, cdiv(tiles, MIN_TILES)) splits, read on the device
@@ -111,10 +110,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     are in log2 units (qk_scale includes log2(e)).
 
     One split normalises and stores its output. Several store partial (max, sum, acc) results;
-    with MERGE each then takes a ticket from the row's counter (cnt_ptr[b, kh]), and the program
-    that draws the last ticket merges the partials in split order and resets the counter to 0
-    for the next launch. The merge is the same whichever program ends last, so results stay
-    deterministic. Without MERGE, _decode_reduce_kernel merges them as a second launch.
+    each then takes a ticket from the row's counter (cnt_ptr[b, kh]), and the program that
+    draws the last ticket merges the partials in split order and resets the counter to 0 for
+    the next launch. The merge is the same whichever program ends last, so results stay
+    deterministic.
 
     ROPE: q, and the row's new k (kn) and v (vn), arrive unrotated; every program rotates its q
     heads, and the program whose split holds the new token's position rotates k and writes k
@@ -234,16 +233,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
             tl.store(pm_ptr + row, m_i, mask=gmask)
             tl.store(pl_ptr + row, l_i, mask=gmask)
             tl.store(po_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=omask)
-            if MERGE:
-                # every warp's stores are issued before the ticket's release makes them visible
-                tl.debug_barrier()
-                counter = cnt_ptr + b64 * tl.num_programs(1) + kh64
-                ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if ticket == n_split - 1:
-                    _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS,
-                                  n_split, tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D,
-                                  MERGE_SPLITS)
-                    tl.store(counter, 0)
+            # every warp's stores are issued before the ticket's release makes them visible
+            tl.debug_barrier()
+            counter = cnt_ptr + b64 * tl.num_programs(1) + kh64
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_split - 1:
+                _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS,
+                              n_split, tl.num_programs(1), so0, so1, BLOCK_GR, BLOCK_D,
+                              MERGE_SPLITS)
+                tl.store(counter, 0)
 
 
 # Programs per SM the split count aims for. One: at 64 rows and 4 KV heads (llama-8b at
@@ -282,8 +280,8 @@ def _decode_blocks(d: int, rows: int | None = None) -> tuple[int, int]:
 
 # Launch knobs of the split kernel that tools (bench_kernels.py --sweep-attention,
 # decode_variants.py) set to compare alternatives: block_n (keys per tile), num_warps,
-# num_stages, merge (1: in-kernel split merge, 0: a reduce launch), num_splits (splits a row
-# at most, instead of _decode_num_splits'). Empty: the defaults.
+# num_stages, num_splits (splits a row at most, instead of _decode_num_splits'). Empty: the
+# defaults.
 DECODE_TUNING: dict[str, int] = {}
 
 
@@ -421,14 +419,13 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     min_tiles = max(1, int(MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles))
     direct = num_splits == 1
     ieee = _ieee_dot(q.dtype, k_cache.dtype)
-    merge = bool(DECODE_TUNING.get("merge", MERGE_IN_KERNEL))
     if direct:
         po = pm = pl = counters = out  # unused
     else:
         po = _new((b, hq, num_splits, block_d), torch.float32, q.device)
         pm = _new((b, hq, num_splits), torch.float32, q.device)
         pl = _new((b, hq, num_splits), torch.float32, q.device)
-        counters = _split_counters(q.device, b * hk) if merge else out
+        counters = _split_counters(q.device, b * hk)
     block_gr = triton.next_power_of_2(g)
     merge_splits = max(1, min(triton.next_power_of_2(num_splits),
                               _MERGE_ELEMENTS // (block_gr * block_d)))
@@ -448,18 +445,12 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), *rope_strides,
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
-        MERGE_SPLITS=merge_splits, MERGE=merge, DIRECT=direct, IEEE=ieee,
+        MERGE_SPLITS=merge_splits, DIRECT=direct, IEEE=ieee,
         ROPE=rope is not None, PDL=dependent,
         PREFETCH=rope is not None and bool(DECODE_TUNING.get(
             "prefetch", b <= PREFETCH_MAX_ROWS if prefetch is None else prefetch)),
         num_warps=num_warps,
         num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
-    if not (direct or merge):
-        _decode_reduce_kernel[(b, hk)](
-            po, pm, pl, out, seq_lens, g, d, num_splits, min_tiles, out.stride(0),
-            out.stride(1), BLOCK_N=block_n, BLOCK_GR=block_gr, BLOCK_D=block_d,
-            MERGE_SPLITS=merge_splits, PDL=dependent, num_warps=num_warps,
-            launch_pdl=dependent)
     return out
 
 
@@ -472,13 +463,6 @@ FOUR_WARPS_MIN_ROWS = 33
 # Fewest BLOCK_N tiles a split takes before a row is cut into more splits: a row of a few
 # tiles then runs on that many programs (or one) instead of the whole split grid.
 MIN_TILES_PER_SPLIT = 1
-# Merge a row's splits inside the split kernel (last program, by ticket) rather than in a
-# second launch. With PDL off the merged split kernel is slower than the pair (llama-1b batch 1,
-# H100 profile: 6.9 us against 4.5 + 1.6), but in the shipped PDL chain, where the reduce
-# launch overlapped and still cost its own wait, the whole decode step is faster: 1.0657 /
-# 1.0650 ms against 1.0769 / 1.0742 (tools/decode_variants.py merge-in-kernel / merge-reduce,
-# alternating runs, 2026-11-24).
-MERGE_IN_KERNEL = True
 # Up to this many rows, the fused rope + attention loads its split's first tile of keys and
 # values (and the row's metadata) first: under programmatic dependent launch that is before it
 # waits for the qkv projection, so the chain seq_len -> block table -> K/V overlaps the

@@ -189,7 +189,6 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     prefetch (kernels/attention_triton.py, PREFETCH)."""
     from graphexec.kernels import pdl
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
-    from graphexec.kernels import attention_triton
     from graphexec.kernels.attention_triton import decode_attention_splits
 
     monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
@@ -207,9 +206,6 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4, rope=(k, v, torch.arange(t), cos, sin,
                                                 torch.arange(t)))
-    monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 0)  # the reduce launch too
-    decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
-                            d ** -0.5, 4)
     # the step's tail after the LM head
     logits = _bf16(t, 128256)
     ops.mask_stop_tokens(logits, torch.zeros(t, 2, dtype=torch.int64), torch.arange(t),
@@ -225,7 +221,7 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
                      torch.arange(t), torch.tensor([t]), packed[:, :5], packed[:, 5])
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_silu_mul_kernel",
-                "_decode_split_kernel", "_decode_reduce_kernel", "_mask_stop_kernel",
+                "_decode_split_kernel", "_mask_stop_kernel",
                 "_chunk_kernel", "_select_kernel", "_argmax_chunk_kernel",
                 "_argmax_reduce_kernel", "_advance_kernel", "_spec_advance_kernel"}
     assert expected <= names, expected - names
@@ -279,7 +275,7 @@ def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled)
 
 
 def test_model_kernels_compile(compiled, monkeypatch):
-    from graphexec.kernels import attention_triton, rope
+    from graphexec.kernels import rope
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
     from graphexec.kernels.attention_triton import (decode_attention_invariant,
                                                      decode_attention_splits,
@@ -306,9 +302,6 @@ def test_model_kernels_compile(compiled, monkeypatch):
     qd = _bf16(t, hq, d)
     ops.decode_attention(qd, kc, vc, tables, lens, d ** -0.5)
     ops.rope_decode_attention(q, k, v, pos, cos, sin, kc, vc, slots, tables, lens, d ** -0.5)
-    monkeypatch.setitem(attention_triton.DECODE_TUNING, "merge", 0)  # the reduce launch too
-    ops.decode_attention(qd, kc, vc, tables, lens, d ** -0.5)
-    monkeypatch.delitem(attention_triton.DECODE_TUNING, "merge")
     decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 1,
                             rope=(k, v, pos, cos, sin, slots))
     decode_attention_splits(qd, kc, vc, tables, lens, d ** -0.5, 1)
@@ -329,7 +322,7 @@ def test_model_kernels_compile(compiled, monkeypatch):
                 torch.tensor([b]))
     names = {name for name, _ in compiled}
     expected = {"_rms_norm_kernel", "_rope_write_kv_kernel", "_rope_kernel", "_write_kv_kernel",
-                "_silu_mul_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
+                "_silu_mul_kernel", "_decode_split_kernel",
                 "_prefill_kernel", "_chunk_kernel", "_select_kernel", "_advance_kernel",
                 "_argmax_chunk_kernel", "_argmax_reduce_kernel"}
     assert expected <= names, expected - names
