@@ -83,11 +83,11 @@ def test_greedy_generation_matches_transformers(hf_dirs, arch, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", list(HF_ARCHS))
-@pytest.mark.parametrize("projections,packed", [("cublas", True), ("triton", True),
-                                                ("triton", False)])
+@pytest.mark.parametrize("projections,packed", [("cublas", True), ("auto", True),
+                                                ("auto", False)])
 def test_prefill_logits_match_transformers_bf16(hf_dirs_moderate, arch, projections, packed):
-    """packed: the three prompts in one varlen batch (22 rows: the Triton projections without
-    the fused norm); else one prompt per forward (2-13 rows: with it)."""
+    """packed: the three prompts in one varlen batch (22 rows); else one prompt per forward
+    (2-13 rows)."""
     path, hf = hf_dirs_moderate[arch]
     hf = hf.to("cuda", torch.float32)
     with torch.no_grad():

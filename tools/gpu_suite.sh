@@ -30,15 +30,15 @@ if has spec; then
     2>&1 | tee "$OUT/spec.log" | tail -30
 fi
 if has tune; then
-  timeout ${TUNE_TIMEOUT:-300} python3 tools/tune_linear.py ${TUNE_ARGS:-} --out "$OUT" \
+  timeout ${TUNE_TIMEOUT:-300} python3 tools/lab/tune_linear.py ${TUNE_ARGS:-} --out "$OUT" \
     2>&1 | tee "$OUT/tune_linear.log" | grep -v "^ " | tail -40
 fi
-if has variants; then  # tools/decode_variants.py: whole decode steps, a process each
+if has variants; then  # tools/lab/decode_variants.py: whole decode steps, a process each
   for v in ${VARIANTS:-shipped down1024 norm2048 norm4x2048}; do
-    timeout 120 python3 tools/decode_variants.py $v ${VARIANT_ARGS:-} 2>&1 | grep '"variant"'
+    timeout 120 python3 tools/lab/decode_variants.py $v ${VARIANT_ARGS:-} 2>&1 | grep '"variant"'
   done | tee -a "$OUT/decode_variants.log"
   for v in ${VARIANTS_B64:-shipped down-triton lmhead-triton both-triton}; do
-    timeout 120 python3 tools/decode_variants.py $v --batch 64 2>&1 | grep '"variant"'
+    timeout 120 python3 tools/lab/decode_variants.py $v --batch 64 2>&1 | grep '"variant"'
   done | tee -a "$OUT/decode_variants.log"
 fi
 if has kernels; then
@@ -50,7 +50,7 @@ if has tp; then
     -rfE > "$OUT/test_tp.log" 2>&1; tail -5 "$OUT/test_tp.log"
   timeout 200 python3 tools/bench.py decode --models llama-8b --batches 1 64 --shapes 128+128 \
     --modes async+graphs --hf-kinds --tp 1 2 --out "$OUT" 2>&1 | tee "$OUT/tp.log" | grep '^|'
-  GRAPHEXEC_PDL=0 timeout 100 python3 tools/profile_step.py --model llama-8b --batch 1 \
+  GRAPHEXEC_PDL=off timeout 100 python3 tools/profile_step.py --model llama-8b --batch 1 \
     --engine-gaps 100 --tp 2 > "$OUT/profile_tp.log" 2>&1
   grep -E '"all_reduce_us_per_step"|"mean"' "$OUT/profile_tp.log" | head -3
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 python3 tools/bench.py decode \

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="GPUs (CPU processes) the model is split over, one worker each")
     ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
-    ap.add_argument("--projections", default=None, help="auto, cublas or triton")
+    ap.add_argument("--projections", default=None, help="auto or cublas")
     ap.add_argument("--speculative-draft", default=None,
                     help="speculative decoding: self:N, a preset or a draft model directory")
     ap.add_argument("--num-speculative-tokens", type=int, default=4,
