@@ -287,7 +287,6 @@ class GGUFTokenizerData:
     bos_id: int | None
     eos_id: int | None
     eot_id: int | None
-    pad_id: int | None
     add_bos: bool
     add_eos: bool
     chat_template: str | None
@@ -308,7 +307,7 @@ def tokenizer_data(gf: GGUFFile) -> GGUFTokenizerData | None:
         model=model, pre=gf.value("tokenizer.ggml.pre"), tokens=list(tokens),
         token_types=[int(x) for x in types], merges=list(gf.value("tokenizer.ggml.merges") or []),
         bos_id=opt_int("bos_token_id"), eos_id=opt_int("eos_token_id"),
-        eot_id=opt_int("eot_token_id"), pad_id=opt_int("padding_token_id"),
+        eot_id=opt_int("eot_token_id"),
         add_bos=bool(gf.value("tokenizer.ggml.add_bos_token", False)),
         add_eos=bool(gf.value("tokenizer.ggml.add_eos_token", False)),
         chat_template=gf.value("tokenizer.chat_template"),
