@@ -1,4 +1,4 @@
-"""Merging the splits of flash-decoding (kernels/attention_triton.py): a row's context is cut
+"""Merging the splits of flash-decoding (kernels/attention_decode_triton.py): a row's context is cut
 into splits whose partial results (running max, sum, accumulator) are combined here by the
 split kernel's last program (an atomic ticket per row and KV head, counters below). Same
 result as the reference's single softmax over the row (kernels/attention.py)."""

@@ -1,5 +1,5 @@
 """Triton write_kv: each token's K and V into its flat cache slot (kernels/attention.py
-write_kv_ref is the reference). Same cache layout as kernels/attention_triton.py."""
+write_kv_ref is the reference). Same cache layout as kernels/attention_tiles_triton.py."""
 from __future__ import annotations
 
 import torch

@@ -73,12 +73,14 @@ def _poisoned_empty(shape, dtype, device):
 
 def poisoned_triton_modules(monkeypatch) -> SimpleNamespace:
     """The Triton modules, with every output allocation poisoned (the `K` fixture)."""
-    from graphexec.kernels import (attention_triton, linear_fused_triton,
+    from graphexec.kernels import (attention_decode_triton, attention_prefill_triton,
+                                   attention_tiles_triton, linear_fused_triton,
                                    linear_invariant_triton, linear_triton, norm_rope_triton,
                                    sampling_triton, triton_ops)
-    for mod in (attention_triton, linear_triton, norm_rope_triton, sampling_triton):
+    for mod in (attention_tiles_triton, linear_triton, norm_rope_triton, sampling_triton):
         monkeypatch.setattr(mod, "_new", _poisoned_empty)
-    return SimpleNamespace(at=attention_triton, nr=norm_rope_triton, st=sampling_triton,
+    return SimpleNamespace(at=attention_decode_triton, ap=attention_prefill_triton,
+                           nr=norm_rope_triton, st=sampling_triton,
                            lt=linear_triton, li=linear_invariant_triton, lf=linear_fused_triton,
                            ops=triton_ops.TRITON_OPS)
 

@@ -399,7 +399,7 @@ def test_prefill_attention_invariant(K, seqs, hq, hk, d, bs):
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     scale = d ** -0.5
-    out = K.at.prefill_attention_invariant(q, kbad, vbad, cu, sl, tables, scale)
+    out = K.ap.prefill_attention_invariant(q, kbad, vbad, cu, sl, tables, scale)
     _check(out, attn_ref.paged_prefill_attention_ref(q, kc, vc, cu, sl, tables, scale), dtype,
            "attention")
     for i, (n, total) in enumerate(zip(q_lens, lens)):
@@ -423,12 +423,12 @@ def test_prefill_attention_invariant_sequence_does_not_depend_on_batch(K):
     cu_list = [0] + torch.tensor(q_lens).cumsum(0).tolist()
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
     sl = torch.tensor(q_lens, dtype=torch.int32, device=DEV)
-    full = K.at.prefill_attention_invariant(q, kc, vc, cu, sl, tables, 0.125)
+    full = K.ap.prefill_attention_invariant(q, kc, vc, cu, sl, tables, 0.125)
     _check(full, attn_ref.paged_prefill_attention_ref(q, kc, vc, cu, sl, tables, 0.125), dtype,
            "attention")
     for i, n in enumerate(q_lens):
         rows = slice(cu_list[i], cu_list[i + 1])
-        one = K.at.prefill_attention_invariant(
+        one = K.ap.prefill_attention_invariant(
             q[rows], kc, vc, torch.tensor([0, n], dtype=torch.int32, device=DEV), sl[i:i + 1],
             tables[i:i + 1], 0.125)
         assert torch.equal(one, full[rows]), i
@@ -466,7 +466,7 @@ def test_prefill_attention_padded_as_a_captured_prefill_pads(K, variant, lead):
     t, pad_t, pad_s = sum(q_lens), 23, 3
     q = _randn((lead + t + pad_t, 8, 64), dtype, 39)
     cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
-    fn = getattr(K.at, variant)
+    fn = getattr(K.ap, variant)
     exact = fn(q[lead:lead + t], kc, vc, torch.tensor(cu, dtype=torch.int32, device=DEV),
                torch.tensor(lens, dtype=torch.int32, device=DEV), tables, 0.125)
     scratch = torch.zeros(pad_s, tables.shape[1], dtype=tables.dtype, device=DEV)

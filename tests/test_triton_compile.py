@@ -52,7 +52,7 @@ def compiled(monkeypatch):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from graphexec.kernels import attention_triton, linear_fused_triton, linear_triton
+    from graphexec.kernels import attention_decode_triton, linear_fused_triton, linear_triton
 
     out: list = []
     touched: set = set()
@@ -66,7 +66,7 @@ def compiled(monkeypatch):
 
     monkeypatch.setattr(driver, "_active", _Sm90())  # restored (to none) after the test
     monkeypatch.setattr(JITFunction, "run", compile_only)
-    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_decode_triton, "_sm_count", lambda device: 132)
     # The wrappers send CPU tensors to torch; let them take the kernel path anyway.
     monkeypatch.setattr(linear_triton, "_INTERPRET", False)
     orig_supported = linear_triton.supported
@@ -186,10 +186,10 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     """GRAPHEXEC_PDL=all: RMSNorm, rope + KV write, decode attention, silu * mul and the tail
     kernels (stop-token mask, sampling, argmax, advance) launch as dependents and wait before
     any global store, and before any load but the fused attention's
-    prefetch (kernels/attention_triton.py, PREFETCH)."""
+    prefetch (kernels/attention_decode_triton.py, PREFETCH)."""
     from graphexec.kernels import pdl
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
-    from graphexec.kernels.attention_triton import decode_attention_splits
+    from graphexec.kernels.attention_decode_triton import decode_attention_splits
 
     monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
@@ -248,7 +248,7 @@ def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled)
     would also need a proxy fence, so none may appear. If Triton stops streaming the loop with
     cp.async this test fails and the check must be rewritten for the new loads."""
     from graphexec.kernels import rope
-    from graphexec.kernels.attention_triton import decode_attention_splits
+    from graphexec.kernels.attention_decode_triton import decode_attention_splits
 
     t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
     qkv = _bf16(t, (hq + 2 * hk) * d)
@@ -277,9 +277,9 @@ def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled)
 def test_model_kernels_compile(compiled, monkeypatch):
     from graphexec.kernels import rope
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
-    from graphexec.kernels.attention_triton import (decode_attention_invariant,
-                                                     decode_attention_splits,
-                                                     prefill_attention_invariant)
+    from graphexec.kernels.attention_decode_triton import (decode_attention_invariant,
+                                                            decode_attention_splits)
+    from graphexec.kernels.attention_prefill_triton import prefill_attention_invariant
 
     t, hq, hk, d, bs, nb = 6, 32, 8, 128, 16, 64
     x = _bf16(t, 2048)
@@ -344,9 +344,11 @@ def test_all_reduce_kernel_compiles_to_wide_pushes_and_volatile_polls(compiled, 
     and no atomic or fence waits on the link."""
     from graphexec.kernels import all_reduce_triton as ar
     from graphexec.kernels import pdl
+    from graphexec.kernels.tuning import DEFAULT
 
     monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
-    words_per_thread = ar.BLOCK // (32 * ar.NUM_WARPS)
+    t = DEFAULT.collective
+    words_per_thread = t.all_reduce_block // (32 * t.all_reduce_warps)
     box = ar.PeerAreas.box_words(3 << 20)  # an area's boxes as symmetric.py sizes them
     ar.all_reduce(torch.zeros(1, 4096, dtype=torch.float32),
                   ar.PeerAreas(0, 2, torch.zeros(2, dtype=torch.int64), box), 1)

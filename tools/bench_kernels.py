@@ -98,7 +98,7 @@ def bench_kernels(out_json_path: str | None = None, verbose: bool = True) -> dic
     from graphexec.kernels import rmsnorm as norm_ref
     from graphexec.kernels import rope as rope_ref
     from graphexec.kernels import sampling as samp_ref
-    from graphexec.kernels import attention_triton as at
+    from graphexec.kernels import attention_decode_triton as at
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
 
     assert torch.cuda.is_available(), "bench_kernels needs CUDA"
@@ -321,7 +321,7 @@ def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
     """Decode attention (rope fused, as a decode step runs it) under each launch config of
     attention_triton.DECODE_TUNING, per shape of SWEEP_SHAPES (those named in shapes, when
     given): graph microseconds. splits: the most splits a row takes (0: the default rule)."""
-    from graphexec.kernels import attention_triton as at
+    from graphexec.kernels import attention_decode_triton as at
     from graphexec.kernels.rope import rope_cos_sin
 
     bs, dtype = 16, torch.bfloat16
