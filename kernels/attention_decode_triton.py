@@ -10,10 +10,10 @@ import triton.language as tl
 
 from . import attention_tiles_triton as tiles
 from . import pdl
-from .attention_merge_triton import (_MERGE_ELEMENTS, _merge_splits, _split_counters,
-                                     _store_normalized)
+from .attention_merge_triton import _merge_splits, _split_counters, _store_normalized
 from .attention_tiles_triton import LOG2E, attend_tile, ieee_dot, load_kv_tile
 from .norm_rope_triton import rotate_pair
+from .tuning import DEFAULT, AttentionTuning
 from .write_kv_triton import _cache_ok
 
 # Multiprocessors per CUDA device index, read once: a device property, not a setting.
@@ -37,8 +37,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                          skn0, skn1, svn0, svn1, sc0,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_GR: tl.constexpr,
-                         MERGE_SPLITS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                         MERGE_SPLITS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+                         ROPE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program: batch row b, KV head kh (all G query heads of it), split sp of the context.
     A row uses n_split = min(NUM_SPLITS, cdiv(tiles, MIN_TILES)) splits, read on the device
     from its length: the context [0, seq_len) is cut into n_split equal runs of whole BLOCK_N
@@ -57,8 +57,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     and v to the row's slot before its loop reads them back (split 0 writes a token at or past
     seq_len, which nobody reads). PREFETCH (with ROPE): the split's first tile is loaded
     first, before the PDL wait, and the owner puts the new token into it from registers.
-    Contract (rope_decode_attention): each row is its own sequence and its slot lies in its own blocks, so no program reads another row's new token.
-    Padding rows are the exception that does no harm: they all write identical K/V into the
+    Contract (rope_decode_attention): each row is its own sequence and its slot lies in its
+    own blocks, so no program reads another row's new token. Padding rows are the exception that does no harm: they all write identical K/V into the
     one scratch slot and read it back, and their outputs are discarded."""
     if not PREFETCH:
         pdl.prologue(PDL)
@@ -181,70 +181,52 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
                 tl.store(counter, 0)
 
 
-# Programs per SM the split count aims for. One: at 64 rows and 4 KV heads (llama-8b at
-# tensor_parallel_size 2, two H200s, 2026-11-26) the step took 3.362 ms against 3.463 with the
-# 3 this replaced (2 splits a row against 1) and 3.519 with 6; batch 1 was level (2.417 / 2.418;
-# 4 splits either way), and every row and head already filled the GPU once at size 1.
-SPLIT_WAVES = 1
-
-
 def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_n: int,
-                       device: torch.device) -> int:
-    """From host-known sizes only: enough programs to fill the GPU SPLIT_WAVES times over, no
-    more splits than tiles the block table can address."""
+                       device: torch.device,
+                       tuning: AttentionTuning = DEFAULT.attention) -> int:
+    """From host-known sizes only: enough programs to fill the GPU tuning.split_waves times
+    over, no more splits than tiles the block table can address."""
     max_tiles = max(1, triton.cdiv(max_blocks * block_size, block_n))
     programs = max(1, b * hk)
-    target = SPLIT_WAVES * _sm_count(device)
+    target = tuning.split_waves * _sm_count(device)
     splits = triton.cdiv(target, programs)
-    return max(1, min(splits, max_tiles, 64))
+    return max(1, min(splits, max_tiles, tuning.max_splits))
 
 
-# Batches of at most this many rows take 32-key tiles for head dims <= 64: with few programs
-# in the grid a row is cut into twice the splits, and each split's keys are its prefetched
-# first tile (llama-1b batch 1, H100: 1.0316 / 1.0271 ms a decode step against 1.0341 /
-# 1.0308 with 64-key tiles, alternating runs, tools/decode_variants.py attn-block32).
-SHORT_TILE_MAX_ROWS = 4
-
-
-def _decode_blocks(d: int, rows: int | None = None) -> tuple[int, int]:
+def _decode_blocks(d: int, rows: int | None = None,
+                   tuning: AttentionTuning = DEFAULT.attention) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_N): the head dim padded, and keys per tile. rows: the batch, None for
     the batch-invariant kernels (whose tiles must not depend on it)."""
     block_d = max(16, triton.next_power_of_2(d))
-    short = rows is not None and rows <= SHORT_TILE_MAX_ROWS and block_d <= 64
-    block_n = DECODE_TUNING.get("block_n") or (32 if short or block_d > 128 else 64)
-    return block_d, block_n
-
-
-# Launch knobs of the split kernel that tools (bench_kernels.py --sweep-attention,
-# decode_variants.py) set to compare alternatives: block_n (keys per tile), num_warps,
-# num_stages, num_splits (splits a row at most, instead of _decode_num_splits'). Empty: the
-# defaults.
-DECODE_TUNING: dict[str, int] = {}
-
-
-INVARIANT_SPLITS = 16
+    short = (rows is not None and rows <= tuning.short_tile_max_rows
+             and block_d <= tuning.small_head_dim)
+    narrow = short or block_d > tuning.large_head_dim
+    return block_d, tuning.decode_narrow_block_n if narrow else tuning.decode_block_n
 
 
 def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float, split_rows: int | None = None) -> torch.Tensor:
+                               scale: float, split_rows: int | None = None, *,
+                               tuning: AttentionTuning = DEFAULT.attention) -> torch.Tensor:
     """decode_attention with the split count taken from the block table's width only, never
     from the batch: a row's context is cut at the same places (they depend on its length and
     the split count) whether it runs with 1 row or 320, as a draft row or a verify row.
     split_rows is ignored for that reason."""
-    _, block_n = _decode_blocks(q.shape[-1])
+    _, block_n = _decode_blocks(q.shape[-1], tuning=tuning)
     max_tiles = max(1, triton.cdiv(block_tables.shape[1] * k_cache.shape[1], block_n))
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                   min(max_tiles, INVARIANT_SPLITS), invariant=True)
+                                   min(max_tiles, tuning.invariant_splits), invariant=True,
+                                   tuning=tuning)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, split_rows: int | None = None) -> torch.Tensor:
+                     scale: float, split_rows: int | None = None, *,
+                     tuning: AttentionTuning = DEFAULT.attention) -> torch.Tensor:
     """q: [B, Hq, D]; block_tables [B, M] int32; seq_lens [B] int32 (>= 1). -> [B, Hq, D].
     split_rows: size the split count as for a batch of that many rows (decode_attention_splits)."""
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
-                                   split_rows=split_rows)
+                                   split_rows=split_rows, tuning=tuning)
 
 
 def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -253,17 +235,18 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float,
                           prefetch: bool | None = None,
-                          split_rows: int | None = None) -> torch.Tensor:
+                          split_rows: int | None = None, *,
+                          tuning: AttentionTuning = DEFAULT.attention) -> torch.Tensor:
     """rope_write_kv + decode_attention in one launch (attention.rope_decode_attention_ref):
     saves a kernel per layer and the rotated q's round trip through memory. Each row must be a
     different sequence whose slot lies in its own blocks (the decode step's rows: position
     seq_len - 1, slot from the row's block table); rows that read each other's new tokens
     (the speculative verify) must call rope_write_kv and decode_attention instead. prefetch:
-    load the first KV tile before the PDL wait (None: up to PREFETCH_MAX_ROWS rows); it pays
-    where the kernel before is a Triton projection that lets dependents start early."""
+    load the first KV tile before the PDL wait (None: up to tuning.prefetch_max_rows rows); it
+    pays where the kernel before is a Triton projection that lets dependents start early."""
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, None,
                                    rope=(k, v, positions, cos, sin, slot_mapping),
-                                   prefetch=prefetch, split_rows=split_rows)
+                                   prefetch=prefetch, split_rows=split_rows, tuning=tuning)
 
 
 def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -271,12 +254,13 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             num_splits: int | None, rope: tuple | None = None,
                             min_tiles: int | None = None, invariant: bool = False,
                             prefetch: bool | None = None,
-                            split_rows: int | None = None) -> torch.Tensor:
+                            split_rows: int | None = None, *,
+                            tuning: AttentionTuning = DEFAULT.attention) -> torch.Tensor:
     """decode_attention with the split count forced (tests, tuning); None picks it from the
     shapes, as for a batch of split_rows rows when given (a mixed step's decode part, whose
     places are mostly inert rows that exit after one tile: capture/mixed.py). A row uses at
     most that many splits, and no more than one per min_tiles tiles of its context
-    (MIN_TILES_PER_SPLIT when None). rope = (k, v, positions, cos, sin,
+    (tuning.min_tiles_per_split when None). rope = (k, v, positions, cos, sin,
     slot_mapping): q, k unrotated, and the new k, v written by the kernel
     (rope_decode_attention). invariant: tiles that do not depend on the batch."""
     b, hq, d = q.shape
@@ -311,13 +295,12 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rope_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0))
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
-    block_d, block_n = _decode_blocks(d, None if invariant else b)
+    block_d, block_n = _decode_blocks(d, None if invariant else b, tuning)
     m = block_tables.shape[1]
     if num_splits is None:
-        num_splits = DECODE_TUNING.get("num_splits") or _decode_num_splits(
-            split_rows or b, hk, m, bs, block_n, q.device)
+        num_splits = _decode_num_splits(split_rows or b, hk, m, bs, block_n, q.device, tuning)
     num_splits = max(1, int(num_splits))
-    min_tiles = max(1, int(MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles))
+    min_tiles = max(1, int(tuning.min_tiles_per_split if min_tiles is None else min_tiles))
     direct = num_splits == 1
     ieee = ieee_dot(q.dtype, k_cache.dtype)
     if direct:
@@ -329,15 +312,13 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         counters = _split_counters(q.device, b * hk)
     block_gr = triton.next_power_of_2(g)
     merge_splits = max(1, min(triton.next_power_of_2(num_splits),
-                              _MERGE_ELEMENTS // (block_gr * block_d)))
+                              tuning.merge_elements // (block_gr * block_d)))
     dependent = pdl.enabled(q, projection=False)
-    # two warps for head dims up to 64 (H100, bench_kernels --sweep-attention, bf16 d 64:
-    # batch 1 x 192 keys 6.1 -> 5.7 us, 1 x 8192 16.1 -> 13.0, 64 x 192 10.5 -> 10.4; d 128
-    # at 64 x 2048 the same either way), but from FOUR_WARPS_MIN_ROWS rows (batch-invariant:
-    # never, the launch may not depend on the batch)
+    # fewer warps for small head dims, but not for large batches (batch-invariant: always, the
+    # launch may not depend on the batch)
     rows = None if invariant else b
-    two = block_d <= 64 and (rows is None or rows < FOUR_WARPS_MIN_ROWS)
-    num_warps = DECODE_TUNING.get("num_warps", 2 if two else 4)
+    small = block_d <= tuning.small_head_dim and (rows is None or rows < tuning.four_warps_min_rows)
+    num_warps = tuning.decode_small_head_warps if small else tuning.decode_warps
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, pm, pl, counters,
         kn, vn, pos, slots, cos, sin,
@@ -348,28 +329,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_SIZE=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_GR=block_gr,
         MERGE_SPLITS=merge_splits, DIRECT=direct, IEEE=ieee,
         ROPE=rope is not None, PDL=dependent,
-        PREFETCH=rope is not None and bool(DECODE_TUNING.get(
-            "prefetch", b <= PREFETCH_MAX_ROWS if prefetch is None else prefetch)),
-        num_warps=num_warps,
-        num_stages=DECODE_TUNING.get("num_stages", 3), launch_pdl=dependent)
+        PREFETCH=rope is not None and bool(
+            b <= tuning.prefetch_max_rows if prefetch is None else prefetch),
+        num_warps=num_warps, num_stages=tuning.decode_stages, launch_pdl=dependent)
     return out
-
-
-# From this many rows the decode attention takes four warps for head dims <= 64 too: in the
-# whole decode step (llama-1b batch 64, contexts of 128-256, H100) 1.4688 ms against 1.4765 /
-# 1.4805 with two (decode_variants --attn num_warps=4), and 1.4434 / 1.4471 against 1.4612 /
-# 1.4801 with the qkv projection on Triton (2026-11-24, 4b1b882, 659e267). 33 follows the fused
-# projections' range; batches of 17-47 rows were not measured.
-FOUR_WARPS_MIN_ROWS = 33
-# Fewest BLOCK_N tiles a split takes before a row is cut into more splits: a row of a few
-# tiles then runs on that many programs (or one) instead of the whole split grid.
-MIN_TILES_PER_SPLIT = 1
-# Up to this many rows, the fused rope + attention loads its split's first tile of keys and
-# values (and the row's metadata) first: under programmatic dependent launch that is before it
-# waits for the qkv projection, so the chain seq_len -> block table -> K/V overlaps the
-# projection's tail instead of following it (llama-1b batch 1, H100: 1.034 ms a decode step
-# against 1.052 without). Above one row the default qkv projection is cuBLAS, which does not
-# let dependents start early: nothing to overlap, and llama-1b batch 64 measured the same within
-# noise either way (GPU busy 1.548 / 1.568 ms without, 1.584 / 1.556 with, alternating runs).
-# The limit of 4 follows SHORT_TILE_MAX_ROWS; batches of 2-4 were not measured either way.
-PREFETCH_MAX_ROWS = 4

@@ -53,7 +53,6 @@ def _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, 
              o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (d < D)[None, :])
 
 
-_MERGE_ELEMENTS = 4096  # the merge holds [G, splits, D] fp32 partials this large at a time
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 

@@ -10,6 +10,7 @@ import triton.language as tl
 from . import attention_tiles_triton as tiles
 from .attention_decode_triton import decode_attention_invariant
 from .attention_tiles_triton import LOG2E, attend_tile, ieee_dot, load_kv_tile
+from .tuning import DEFAULT, AttentionTuning
 from .write_kv_triton import _cache_ok
 
 
@@ -75,7 +76,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                      block_tables: torch.Tensor, scale: float, *,
+                      tuning: AttentionTuning = DEFAULT.attention) -> torch.Tensor:
     """Causal varlen attention. q: [T, Hq, D] packed; sequence i owns rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1], its last tokens (query j at seq_lens[i] - q_len + j)."""
     t, hq, d = q.shape
@@ -93,9 +95,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q = q.contiguous()
     g = hq // hk
     block_d = max(16, triton.next_power_of_2(d))
-    block_m = 64 if t >= 64 else max(16, triton.next_power_of_2(t))
+    block_m = tuning.prefill_block_m
+    if t < block_m:
+        block_m = max(16, triton.next_power_of_2(t))
     ieee = ieee_dot(q.dtype, k_cache.dtype)
-    block_n = 32 if (ieee or block_d > 128) else 64
+    narrow = ieee or block_d > tuning.large_head_dim
+    block_n = tuning.prefill_narrow_block_n if narrow else tuning.prefill_block_n
     n_tiles = triton.cdiv(t, block_m) + n_seq  # >= sum_i cdiv(q_len_i, block_m)
     _prefill_kernel[(n_tiles, hq)](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
@@ -104,16 +109,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SEQ=max(16, triton.next_power_of_2(n_seq)), BLOCK_SIZE=bs, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, num_warps=tuning.prefill_warps,
+        num_stages=tuning.prefill_stages)
     return out
-
-
-INVARIANT_PREFILL_CHUNK = 512  # query tokens per launch: bounds the split workspaces
 
 
 def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                                block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                                block_tables: torch.Tensor, scale: float, *,
+                                tuning: AttentionTuning = DEFAULT.attention) -> torch.Tensor:
     """Prefill attention for the batch-invariant kernel set: every query token runs as its own
     row of decode_attention_invariant (its sequence's block table, attending up to its own
     position), the way the speculative verify runs its K+1 positions. A position's attention is
@@ -137,8 +141,9 @@ def prefill_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     lens = seq_lens.long()[seq_of] - q_lens[seq_of] + offset + 1
     lens = torch.where((token >= cu[0]) & (token < cu[-1]), lens, 1).to(torch.int32)
     tables = block_tables[seq_of]
-    for s in range(0, t, INVARIANT_PREFILL_CHUNK):
-        e = min(t, s + INVARIANT_PREFILL_CHUNK)
+    chunk = tuning.invariant_prefill_chunk  # bounds the split workspaces
+    for s in range(0, t, chunk):
+        e = min(t, s + chunk)
         out[s:e] = decode_attention_invariant(q[s:e], k_cache, v_cache, tables[s:e], lens[s:e],
-                                              scale)
+                                              scale, tuning=tuning)
     return out

@@ -229,9 +229,10 @@ def _check_cache_writes(x, dtype, slots):
                            want.flatten(0, 1)[untouched]), "a write outside the rows' slots"
 
 
-def _fused(K, x, splits=None):
+def _fused(K, x, splits=None, prefetch=None):
     return K.at.decode_attention_splits(x.q, x.kbad, x.vbad, x.tables, x.seq_lens, x.scale,
-                                        splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots))
+                                        splits, rope=(x.k, x.v, x.pos, x.cos, x.sin, x.slots),
+                                        prefetch=prefetch)
 
 
 @kernel_test
@@ -250,18 +251,17 @@ def test_rope_decode_attention(K, dtype, b, ctx, hq, hk, d, bs, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_rope_decode_attention_new_token_anywhere(K, splits, prefetch, monkeypatch):
+def test_rope_decode_attention_new_token_anywhere(K, splits, prefetch):
     """The program whose split holds the new token's position writes it, wherever it is: the
     last position (a decode step), inside the context (read by an earlier split), or past it
     (written, read by nobody). With the first tile prefetched, a new token inside that tile
     comes from registers (its slot held NaN when the tile was read), one in a later tile from
     the cache."""
-    monkeypatch.setitem(K.at.DECODE_TUNING, "prefetch", int(prefetch))
     dtype = torch.float16
     # lengths (_lengths): 1, 200, 16, 17, 31, 199
     x = _rope_decode_inputs(dtype, 6, 200, 8, 2, 64, 16, 80, offsets=[0, -150, -10, 1, -1, 0])
     assert x.pos.tolist() == [0, 49, 5, 17, 29, 198]
-    _check(_fused(K, x, splits), x.ref, dtype, "attention")
+    _check(_fused(K, x, splits, prefetch), x.ref, dtype, "attention")
     _check_cache_writes(x, dtype, x.slots)
 
 
