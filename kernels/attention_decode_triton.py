@@ -58,8 +58,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     seq_len, which nobody reads). PREFETCH (with ROPE): the split's first tile is loaded
     first, before the PDL wait, and the owner puts the new token into it from registers.
     Contract (rope_decode_attention): each row is its own sequence and its slot lies in its
-    own blocks, so no program reads another row's new token. Padding rows are the exception that does no harm: they all write identical K/V into the
-    one scratch slot and read it back, and their outputs are discarded."""
+    own blocks, so no program reads another row's new token. Padding rows are the exception
+    that does no harm: they all write identical K/V into the one scratch slot and read it
+    back, and their outputs are discarded."""
     if not PREFETCH:
         pdl.prologue(PDL)
     elif PDL:

@@ -1,6 +1,7 @@
-"""What decode and prefill attention over the paged KV cache share (kernels/attention_decode_triton.py,
-kernels/attention_prefill_triton.py): loading a tile of keys and values through the block table,
-one online-softmax step over it, and the allocation of every output and workspace.
+"""What decode and prefill attention over the paged KV cache share
+(kernels/attention_decode_triton.py, kernels/attention_prefill_triton.py): loading a tile of
+keys and values through the block table, one online-softmax step over it, and the allocation of
+every output and workspace.
 
 Same layout and semantics as kernels/attention.py (the references): cache [num_blocks,
 block_size, Hk, D]; a sequence's token at position p lives in block block_table[p // block_size],

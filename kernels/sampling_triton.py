@@ -3,24 +3,25 @@
 The reference keeps the tokens whose scaled logit s = logits / T is >= a threshold thr (top-k's
 k-th value, raised by top-p's cutoff) and returns argmax(s + g) over them, with Gumbel noise g
 from a counter-based hash of (seed, step, index). This module reproduces the hash bit for bit
-and finds thr by selection instead of a sort:
+(kernels/sampling_bits_triton.py) and finds thr by selection instead of a sort; chunk, sub,
+top_r, cap are fields of SamplingTuning (kernels/tuning.py):
 
-  kernel 1, grid (B, C): each program takes CHUNK entries of a row, seen as NS = CHUNK / SUB
+  kernel 1, grid (B, C): each program takes chunk entries of a row, seen as NS = chunk / sub
     sub-chunks ("units") reduced side by side, and writes
     - greedy rows:      the chunk's (max raw logit, first index);
     - unfiltered rows:  the chunk's (max s + g, first index): the answer, once reduced;
     - filtered rows:    max s and sum exp(s - max) (for the softmax normaliser), each unit's
-                        TOP_R largest elements (value, index) and the largest value left in it.
+                        top_r largest elements (value, index) and the largest value left in it.
   kernel 2, grid (B,): per row
     - greedy / unfiltered: reduces kernel 1's per-chunk winners;
-    - filtered: sorts the (units x TOP_R) table to get a lower bound L on thr (the k-th table
+    - filtered: sorts the (units x top_r) table to get a lower bound L on thr (the k-th table
       value is <= the row's k-th value; for top-p alone, once the table's cumulative mass reaches
       p * Z the kept prefix ends above L); gathers the candidates s >= L: from the table for
-      units whose largest value left is < L, by re-reading the unit otherwise. With at most CAP
-      candidates it sorts them (CAP entries, never the vocabulary) and evaluates top-k / top-p
+      units whose largest value left is < L, by re-reading the unit otherwise. With at most cap
+      candidates it sorts them (cap entries, never the vocabulary) and evaluates top-k / top-p
       exactly as the reference does, then takes the Gumbel argmax over the kept candidates.
       A row whose bound fails (top_k beyond the table, 504 entries at V = 128k; top-p on a flat
-      distribution; more than CAP candidates) falls back to an exact radix search for both
+      distribution; more than cap candidates) falls back to an exact radix search for both
       thresholds over the whole row (2 bits a pass: ~34 passes; correct, ~0.6-0.8 ms at
       B = 64, V = 128k on an H100, versus ~40 us for the table path).
 
@@ -28,27 +29,14 @@ All branching is per row inside the kernels; grids depend on B and V only (CUDA-
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from . import pdl
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-CHUNK = 2048  # kernel 1: entries of a row per program
-SUB = 256  # kernel 1: sub-chunk ("unit"); each contributes TOP_R elements to the table
-TOP_R = 1
-CAP = 2048  # candidates kernel 2 can hold (sorted in registers)
-SMALL_CAP = 256  # a smaller sort for the usual case (top-k in the tens)
-SCAN_BLOCK = 256  # kernel 2: width of a unit re-read
-FB_BLOCK = 2048  # kernel 2: width of the fallback's passes ([FB_BLOCK, 2**bits] accumulators)
-FB_RADIX_BITS = 2  # bits of the threshold the fallback settles per pass over the row
-SELECT_WARPS = 16  # kernel 2 warps (more warps hide the fallback passes' latency)
-
+from .sampling_bits_triton import (_I64_MIN, _INTERPRET, _gumbel, _pack, _row_key, _row_mode,
+                                   _sort_desc, _ukey, _ukey_inv, _unpack_idx, _unpack_val)
+from .tuning import DEFAULT, SamplingTuning
 
 PATHS = {0: "greedy", 1: "unfiltered", 2: "small sort", 3: "full sort", 4: "fallback"}
 
@@ -59,115 +47,7 @@ def _new(shape, dtype, device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Bit-exact noise (kernels/sampling.py: hash32, row_key, uniform_noise)
-
-
-@triton.jit
-def _hash32(x):
-    """x: uint32 (multiplication wraps mod 2**32, >> is logical)."""
-    x = x ^ (x >> 16)
-    x = x * tl.full([], 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full([], 0x846CA68B, tl.uint32)
-    x = x ^ (x >> 16)
-    return x
-
-
-@triton.jit
-def _row_key(seed, step):
-    """seed, step: int64 scalars -> uint32 key."""
-    lo = seed.to(tl.uint32)  # truncation keeps the low 32 bits
-    hi = (seed >> 32).to(tl.uint32)
-    st = step.to(tl.uint32)
-    return _hash32(lo ^ _hash32(hi ^ _hash32(st)))
-
-
-@triton.jit
-def _gumbel(idx, key, PRECISE_LOG: tl.constexpr):
-    """idx: int32/int64 vocabulary indices, key: uint32 row key -> fp32 Gumbel noise."""
-    x = idx.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32)
-    bits = _hash32(_hash32(x ^ key) + key)
-    # (bits >> 8) * 2^-24 + 2^-25: exact product, one rounding of the sum, as in float64 -> fp32
-    u = (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08 + 2.9802322387695312e-08
-    if PRECISE_LOG:  # libdevice logf: what torch's CUDA log computes
-        g = -libdevice.log(-libdevice.log(u))
-    else:
-        g = -tl.log(-tl.log(u))
-    return g
-
-
-# ----------------------------------------------------------------------------------------------
-# Ordered packing: one int64 max-reduction gives (max value, smallest index among equals)
-
-
-@triton.jit
-def _okey(f):
-    """fp32 -> int32 whose signed order is the float order (-0.0 folded onto +0.0)."""
-    i = (f + 0.0).to(tl.int32, bitcast=True)
-    return i ^ ((i >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _okey_inv(k):
-    i = k ^ ((k >> 31) & 0x7FFFFFFF)
-    return i.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pack(f, idx):
-    return (_okey(f).to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-
-
-@triton.jit
-def _unpack_val(p):
-    return _okey_inv((p >> 32).to(tl.int32))
-
-
-@triton.jit
-def _unpack_idx(p):
-    return (0x7FFFFFFF - (p & 0xFFFFFFFF)).to(tl.int32)
-
-
-@triton.jit
-def _ukey(f):
-    """fp32 -> uint32 whose unsigned order is the float order."""
-    return (_okey(f) ^ (-2147483647 - 1)).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _ukey_inv(u):
-    return _okey_inv(u.to(tl.int32, bitcast=True) ^ (-2147483647 - 1))
-
-
-@triton.jit
-def _row_mode(t, k, p, V):
-    """Per-row flags: greedy, top-k on, top-p on."""
-    greedy = t <= 0.0
-    kon = (k > 0) & (k < V)
-    pon = p < 1.0
-    return greedy, kon, pon
-
-
-@triton.jit
-def _sort_desc(x):
-    return tl.sort(x, 0, descending=True)
-
-
-if _INTERPRET:
-    # The interpreter runs tl.sort as a Python-level bitonic network, seconds per call; the
-    # CPU tests use numpy's sort instead (same result: a descending 1-D sort).
-    def _sort_desc(x):  # noqa: F811
-        import numpy as np
-        from triton.runtime.interpreter import TensorHandle
-
-        data = np.ascontiguousarray(np.sort(x.handle.data, kind="stable")[::-1])
-        return tl.core.tensor(TensorHandle(data, x.handle.dtype), x.type)
-
-
-# ----------------------------------------------------------------------------------------------
 # Kernel 1: per-chunk statistics
-
-_I64_MIN = tl.constexpr(-9223372036854775807 - 1)
 
 
 @triton.jit
@@ -468,12 +348,10 @@ def _select_kernel(logits_ptr, stride_b, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
 
 def sample_impl(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
-                chunk: int = CHUNK, sub: int = SUB, top_r: int = TOP_R, cap: int = CAP,
-                small_cap: int = SMALL_CAP, scan: int = SCAN_BLOCK, fb_block: int = FB_BLOCK,
-                fb_radix_bits: int = FB_RADIX_BITS, select_warps: int = SELECT_WARPS,
+                tuning: SamplingTuning = DEFAULT.sampling,
                 path: torch.Tensor | None = None) -> torch.Tensor:
-    """sample with its tuning knobs exposed (tests shrink them to reach every path). `path`, an
-    int32 [B] tensor, receives the way each row went (PATHS)."""
+    """sample with the way each row went reported (tests shrink the tuning to reach every
+    path): `path`, an int32 [B] tensor, receives it (PATHS)."""
     b, v = logits.shape
     out = _new((b,), torch.int64, logits.device)
     if b == 0:
@@ -488,12 +366,13 @@ def sample_impl(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     top_p = top_p.to(device=dev, dtype=torch.float32)
     seeds = seeds.to(device=dev, dtype=torch.int64)
     steps = steps.to(device=dev, dtype=torch.int64)
-    sub = min(sub, chunk)
+    chunk, cap, top_r = tuning.chunk, tuning.cap, tuning.top_r
+    sub = min(tuning.sub, chunk)
     ns = chunk // sub
     c = triton.cdiv(v, chunk)
     block_c = max(2, triton.next_power_of_2(c))
-    scan = min(scan, sub)
-    small_cap = min(small_cap, cap)
+    scan = min(tuning.scan_block, sub)
+    small_cap = min(tuning.small_cap, cap)
     best = _new((b, c), torch.int64, dev)
     stats = _new((b, c, 2), torch.float32, dev)
     top = _new((b, c * ns, top_r), torch.int64, dev)
@@ -505,14 +384,14 @@ def sample_impl(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     dependent = pdl.enabled(logits, projection=False, tail=True)
     _chunk_kernel[(b, c)](logits, logits.stride(0), temperature, top_k, top_p, seeds, steps,
                           best, stats, top, rest, v, c, NS=ns, SUB=sub, RS=top_r,
-                          PRECISE_LOG=precise, PDL=dependent, num_warps=4,
+                          PRECISE_LOG=precise, PDL=dependent, num_warps=tuning.chunk_warps,
                           launch_pdl=dependent)
     _select_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, steps,
                          best, stats, top, rest, cand_s, cand_i, inc, out, path, v, c,
                          NS=ns, SUB=sub, RS=top_r, BLOCK_C=block_c, CAP=cap,
-                         SMALL_CAP=small_cap, SCAN=scan, FB_BLOCK=fb_block,
-                         FB_RB=fb_radix_bits, PRECISE_LOG=precise, PDL=dependent,
-                         num_warps=select_warps, launch_pdl=dependent)
+                         SMALL_CAP=small_cap, SCAN=scan, FB_BLOCK=tuning.fb_block,
+                         FB_RB=tuning.fb_radix_bits, PRECISE_LOG=precise, PDL=dependent,
+                         num_warps=tuning.select_warps, launch_pdl=dependent)
     return out
 
 
@@ -538,28 +417,30 @@ def _argmax_reduce_kernel(best_ptr, out_ptr, C, BLOCK_C: tl.constexpr, PDL: tl.c
     tl.store(out_ptr + b, _unpack_idx(tl.max(best, 0)).to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, *, tuning: SamplingTuning = DEFAULT.sampling) -> torch.Tensor:
     """logits [N, V] (any float type) -> int64 [N]: the first index of each row's maximum, as
     torch.argmax (sampling.argmax_ref). torch's own reduction gives a single long row few
     programs: 38 us per call at 1-5 rows x 128k on an H100, where these two launches split
-    each row into CHUNK-wide programs (the greedy path of `sample`)."""
+    each row into programs of tuning.chunk entries (the greedy path of `sample`)."""
     n, v = logits.shape
     out = _new((n,), torch.int64, logits.device)
     if n == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    c = triton.cdiv(v, CHUNK)
+    c = triton.cdiv(v, tuning.chunk)
     best = _new((n, c), torch.int64, logits.device)
     dependent = pdl.enabled(logits, projection=False, tail=True)
-    _argmax_chunk_kernel[(n, c)](logits, logits.stride(0), best, v, c, BLOCK=CHUNK,
-                                 PDL=dependent, num_warps=4, launch_pdl=dependent)
+    _argmax_chunk_kernel[(n, c)](logits, logits.stride(0), best, v, c, BLOCK=tuning.chunk,
+                                 PDL=dependent, num_warps=tuning.chunk_warps,
+                                 launch_pdl=dependent)
     _argmax_reduce_kernel[(n,)](best, out, c, BLOCK_C=max(2, triton.next_power_of_2(c)),
                                 PDL=dependent, num_warps=1, launch_pdl=dependent)
     return out
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+           top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
+           tuning: SamplingTuning = DEFAULT.sampling) -> torch.Tensor:
     """logits [B, V] -> tokens [B] (int64). temperature == 0 means greedy."""
-    return sample_impl(logits, temperature, top_k, top_p, seeds, steps)
+    return sample_impl(logits, temperature, top_k, top_p, seeds, steps, tuning=tuning)

@@ -1,10 +1,12 @@
 """The threshold-search sampler against the reference: same tokens, every path, batch
 invariance, and the sampled distribution (chi-square)."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from graphexec.kernels.tuning import DEFAULT
 from kernel_helpers import (
     CPU_MODE, DEV, SAMPLE_MODES, _chi2_critical, _gen, _sample_inputs, big,
     kernel_test, samp_ref)
@@ -31,17 +33,17 @@ def test_sample_matches_reference(K, b, v):
     [(5000, dict(chunk=512, sub=128, top_r=2, cap=256, small_cap=64)),
      (128256, dict()),
      (40000, dict(chunk=1024, sub=256, top_r=1, cap=512, small_cap=128, fb_block=512))],
-    [(1200, dict(chunk=128, sub=32, top_r=1, cap=128, small_cap=32, scan=16, fb_block=128))]))
+    [(1200, dict(chunk=128, sub=32, top_r=1, cap=128, small_cap=32, scan_block=16,
+                 fb_block=128))]))
 @pytest.mark.parametrize("dtype", big([torch.bfloat16, torch.float32, torch.float16],
                                       [torch.float32, torch.bfloat16, torch.float16]))
 def test_sample_every_path(K, v, knobs, dtype):
     """Shrunk knobs send rows down every path: greedy, unfiltered, the two candidate sorts and
     the exact fallback; all must give the reference's token. bf16 / fp16: the logits the model
     hands over, read by every path of the kernel and upcast exactly."""
-    st = K.st
-    chunk, sub = knobs.get("chunk", st.CHUNK), knobs.get("sub", st.SUB)
-    top_r = knobs.get("top_r", st.TOP_R)
-    small, cap = knobs.get("small_cap", st.SMALL_CAP), knobs.get("cap", st.CAP)
+    tuning = replace(DEFAULT.sampling, **knobs)
+    chunk, sub, top_r = tuning.chunk, tuning.sub, tuning.top_r
+    small, cap = tuning.small_cap, tuning.cap
     table = math.ceil(v / chunk) * (chunk // sub) * top_r
     k_full = (small + min(table, cap)) // 2  # candidates between the two sort sizes
     modes = SAMPLE_MODES + [(1.0, k_full, 1.0, 3.0), (1.0, k_full, 0.99, 3.0),
@@ -50,7 +52,7 @@ def test_sample_every_path(K, v, knobs, dtype):
     args = _sample_inputs(b, v, 50, modes=modes)
     args = (args[0].to(dtype),) + args[1:]
     path = torch.full((b,), -1, dtype=torch.int32, device=DEV)
-    out = K.st.sample_impl(*args, path=path, **knobs)
+    out = K.st.sample_impl(*args, path=path, tuning=tuning)
     ref = samp_ref.sample_ref(*args)
     assert torch.equal(out, ref), (out.tolist(), ref.tolist(), path.tolist())
     seen = set(path.tolist())
@@ -117,8 +119,8 @@ def test_sample_distribution(K, temp, top_k, top_p):
     seeds = torch.full((n,), 12345, dtype=torch.int64, device=DEV)
     steps = torch.arange(n, dtype=torch.int64, device=DEV)
     if CPU_MODE:  # small blocks: the interpreter's time goes with their sizes
-        toks = K.st.sample_impl(logits, temps, ks, ps, seeds, steps, chunk=16, sub=16, cap=16,
-                                small_cap=16, scan=16)
+        small = replace(DEFAULT.sampling, chunk=16, sub=16, cap=16, small_cap=16, scan_block=16)
+        toks = K.st.sample_impl(logits, temps, ks, ps, seeds, steps, tuning=small)
     else:
         toks = K.ops.sample(logits, temps, ks, ps, seeds, steps)
     toks = toks.cpu()
