@@ -53,6 +53,8 @@ def _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, 
              o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (d < D)[None, :])
 
 
+# Process-wide state, not settings: captured graphs hold these buffers' addresses for as long as
+# the process lives, whichever op set or engine captured them, so no object owns them.
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 

@@ -1,12 +1,10 @@
 """The decode step's results written by the GPU straight into pinned host memory.
 
-A decode step's tokens used to reach the host through a D2H copy enqueued after the graph
-replay. With it, two replays were 8.1 us apart on average at batch 64 on an H100 (CUDA events;
-tools/profile_step.py --engine-gaps, whose profiler view shows 4.4 us from the last kernel to
-the copy, 1.7 us of copy, 5.6 us to the next graph's first kernel); without it 2.4 us (median
-1.3). Pinned host memory is mapped into the GPU's address space (unified addressing), so the
-last kernel of the captured iteration can store the results there itself, and the graph runs
-into the next one with nothing between them.
+A D2H copy enqueued after each graph replay left a gap between replays several times longer
+than the copy itself (docs/architecture.md gives the figures). Pinned host memory is mapped
+into the GPU's address space (unified addressing), so the last kernel of the captured iteration
+can store the results there itself, and the graph runs into the next one with nothing between
+them.
 
 The host cannot tell a replayed graph where to write without a copy per step, so the slot is
 chosen on the device: a counter in device memory, advanced by every launch of this kernel. The
