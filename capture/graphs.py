@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
+from ..plan import Variant
 from .iteration import SampleOut
-from .state import Variant
 
 
 @dataclass
@@ -36,11 +36,9 @@ class GraphSet:
     pool: object = None
     # called after every decode replay: the runner's ResultMailbox counts the iterations
     after_replay: Callable[[], None] | None = None
-    # (token bucket, logprobs) -> (graph, its sample outputs); the token buckets, ascending
+    # (token bucket, logprobs) -> (graph, its sample outputs)
     prefill: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
         default_factory=dict)
-    prefill_tokens: list[int] = field(default_factory=list)
-    prefill_reports: list[BucketReport] = field(default_factory=list)
 
     def has(self, bucket: int, variant: Variant) -> bool:
         return (bucket, variant) in self.graphs
@@ -57,7 +55,7 @@ class GraphSet:
 
     @classmethod
     def capture(cls, runner, buckets: list[int], variants: list[Variant],
-                prefill_tokens: list[int] = (), progress: bool = True) -> "GraphSet":
+                token_buckets: list[int] = (), progress: bool = True) -> "GraphSet":
         """Captures every prefill and decode bucket, largest first so the smaller ones reuse
         its pool memory. Must run while no request is in the batch: with num_rows == 0 every
         row is inert, so warm-up and capture write only the scratch block, the inert row and
@@ -66,11 +64,10 @@ class GraphSet:
             raise RuntimeError("graphs must be captured on an empty batch")
         mailbox = getattr(runner, "mailbox", None)
         out = cls(pool=torch.cuda.graph_pool_handle(),
-                  after_replay=mailbox.ran if mailbox is not None else None,
-                  prefill_tokens=sorted(prefill_tokens))
+                  after_replay=mailbox.ran if mailbox is not None else None)
         with_lp = sorted({v.logprobs for v in variants})
         todo = [(("prefill", t, lp), lambda t=t, lp=lp: runner.prefill_padding(t, lp))
-                for t in sorted(prefill_tokens, reverse=True) for lp in with_lp]
+                for t in sorted(token_buckets, reverse=True) for lp in with_lp]
         todo += [((b, v), lambda b=b, v=v: runner.iterate(b, v))
                  for b in sorted(buckets, reverse=True) for v in variants]
         bar = None
@@ -110,9 +107,7 @@ class GraphSet:
             ms = (time.perf_counter() - t0) * 1e3
             mib = (torch.cuda.memory_reserved() - before) / 2**20
             if key[0] == "prefill":
-                _, tokens, lp = key
-                self.prefill[(tokens, lp)] = (g, result)
-                self.prefill_reports.append(BucketReport(tokens, Variant(lp), ms, mib))
+                self.prefill[key[1:]] = (g, result)
             else:
                 self.graphs[key] = g
                 self.reports.append(BucketReport(key[0], key[1], ms, mib))

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
-from .state import DecodeState, Variant
+from ..plan import Variant
+from .state import DecodeState
 
 
 @dataclass

@@ -18,36 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# How many sequences one prefill step packs at most (the captured graphs' fixed count).
-MAX_PREFILL_SEQS = 16
-# The smallest token bucket. Up to 64 rows the projections run the decode-tuned Triton kernels
-# (kernels/triton_ops.py): on the H100 a 64-token prefill of llama-1b took 1.36 ms where 16-32
-# token ones on cuBLAS took 1.73 (tools/profile_churn.py, 2026-11-25), so smaller buckets only
-# cost time.
-MIN_TOKEN_BUCKET = 64
-
-
-@dataclass
-class PrefillChunk:
-    """One sequence's share of a prefill step: its tokens at positions start.. , written into
-    `blocks`. The last chunk of a prompt samples (or, for a request recomputing after eviction,
-    resumes from its last token) into decode row `row`; an earlier chunk has row None."""
-
-    token_ids: list[int]
-    start: int  # position of token_ids[0]: the KV of positions < start is already written
-    blocks: list[int]
-    row: int | None = None  # the DecodeState row it joins as, on its last chunk
-    step: int = 0  # index of the next output token of this request
-    resume_token: int | None = None  # evicted request: its last token, next input; no sample
-
-    @property
-    def samples(self) -> int:
-        """Tokens this chunk emits: 1 for a prompt's last chunk, 0 otherwise."""
-        return int(self.row is not None and self.resume_token is None)
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
+from ..plan import PrefillChunk
 
 
 @dataclass
@@ -123,20 +94,3 @@ def pack_prefill(chunks: list[PrefillChunk], num_tokens: int, num_seqs: int, col
             resume[i] = c.resume_token or 0
     cu[len(chunks) + 1:] = at
     return out
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """The captured prefill sizes: every 64 tokens to 512 and every 256 beyond, and max_tokens
-    itself. A prefill is compute-bound, so padding costs its share of
-    the time: steps this fine keep it under about 15% of a large prefill, and the scheduler
-    cuts chunks to a bucket's size (bucket_floor) so a long prompt's chunks pad nothing."""
-    out, b = [], MIN_TOKEN_BUCKET
-    while b < max_tokens:
-        out.append(b)
-        b = b * 2 if b < 64 else b + (64 if b < 512 else 256)
-    return out + [max_tokens]
-
-
-def bucket_floor(buckets: list[int], tokens: int) -> int:
-    """The largest bucket not above `tokens` (the smallest bucket if none is)."""
-    return max((b for b in buckets if b <= tokens), default=buckets[0])

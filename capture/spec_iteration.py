@@ -25,7 +25,8 @@ import torch
 from ..kernels.rejection import (SALT_DRAFT, draw_from_probs,
                                  rejection_sample_ref, sampling_probs_ref)
 from ..model.llama import AttentionInputs, FinalHidden, KVCache, LlamaModel
-from .state import DecodeState, Variant
+from ..plan import Variant
+from .state import DecodeState
 
 
 @dataclass

@@ -7,57 +7,12 @@ their K/V into the scratch block and never into a live one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
 import torch
+
+from ..plan import StepDelta, Variant  # noqa: F401 (Variant: tools import it from here)
 
 MAX_STOP_IDS = 16  # ids masked on the device while a row is below min_tokens
 _NEW_ROW_INTS = 6  # seed, min_tokens, top_k, input_id, position, step
-
-
-class Variant(NamedTuple):
-    """What a launched step computes besides tokens; each variant is its own graph. The host
-    picks it from the rows' parameters, so no row pays for work no row in the batch needs."""
-
-    logprobs: bool = False  # the chosen token's logprob and the top 20
-    filters: bool = True  # top-k / top-p (False: no row uses them)
-    # Some row samples (temperature > 0). False: every row is greedy, and the speculative
-    # iteration compares argmaxes instead of building and sampling distributions over the
-    # vocabulary (the same tokens and counts, a few dozen fewer kernels per iteration).
-    # Plain decoding keeps it True: its sampler has no such cost.
-    sampled: bool = True
-
-
-@dataclass
-class NewRow:
-    """A request entering the batch. A prefilled row gets its token, position and step from
-    the prefill; a resumed row (paused, KV intact) gets them from here."""
-
-    row: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    min_tokens: int
-    stop_ids: list[int]
-    input_id: int = 0
-    position: int = 0
-    step: int = 0
-
-
-@dataclass
-class StepDelta:
-    """What changes in the batch before a step launches. Empty when nothing changed."""
-
-    num_rows: int
-    row_map: list[int] | None = None  # new row i takes old row row_map[i]; None: no compaction
-    new_rows: list[NewRow] = field(default_factory=list)
-    block_entries: list[tuple[int, int, int]] = field(default_factory=list)  # (row, col, block)
-
-    def is_empty(self, prev_num_rows: int) -> bool:
-        return (self.row_map is None and not self.new_rows and not self.block_entries
-                and self.num_rows == prev_num_rows)
 
 
 class DecodeState:

@@ -1,24 +1,15 @@
 """EngineConfig: every option of LLM and Engine, validated in one place."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .plan import default_buckets, token_buckets
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32}
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-
-
-def default_buckets(max_batch: int) -> list[int]:
-    out = [b for b in DEFAULT_BUCKETS if b < max_batch]
-    b = 96
-    while b < max_batch:
-        out.append(b)
-        b += 32
-    return out + [max_batch]
 
 
 @dataclass
@@ -44,10 +35,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # default: on with CUDA
     capture_logprobs: bool = True  # False: steps that need logprobs run eagerly (less memory)
     use_triton: bool | None = None  # default: Triton kernels on CUDA when triton imports
-    # Who runs the projections on CUDA: "cublas", "triton" (kernels/linear_triton.py: M <= 64
-    # rows) or "auto": Triton for one-row batches (RMSNorm and silu * mul fused in front), at
-    # 33-64 rows Triton for o, gate_up and down (residual add and silu * mul in their
-    # epilogues), cuBLAS elsewhere: the set that measured fastest (docs/benchmarks.md).
+    # Who runs the projections on CUDA: "cublas", or "auto": Triton for one-row batches (RMSNorm
+    # and silu * mul fused in front), at 33-64 rows Triton for o, gate_up and down (residual add
+    # and silu * mul in their epilogues), cuBLAS elsewhere: the set that measured fastest.
     projections: str = "auto"
     # Kernels whose per-row results do not depend on the batch size (CUDA + Triton): a draft
     # that computes what the target computes is then accepted every time, in bf16 too.
@@ -58,6 +48,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
     graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
+    # The prefill token counts a step is padded to (the captured prefill graphs' sizes), from
+    # max_num_batched_tokens; the scheduler, the runner and the capture all read this list.
+    token_buckets: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         dev = self.device if self.device is not None else (
@@ -110,6 +103,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                              f"larger than max_batch={self.max_batch}: each step gives a token "
                              "to every decoding row before prompt chunks get any")
+        self.token_buckets = token_buckets(self.max_num_batched_tokens)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got "
                              f"{self.enable_prefix_caching!r}")

@@ -22,11 +22,12 @@ from .model import resolve_model
 from .model.loader import read_model_config
 from .outputs import RequestOutput
 from .parallel import build_ranks
+from .plan import Plan
 from .request import Request, Status
 from .rank import resolve_max_model_len
 from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
-from .scheduler import Plan, Scheduler
+from .scheduler import Scheduler
 from .text.request_text import RequestText
 from .text.tokenizer import load_tokenizer
 
@@ -70,8 +71,7 @@ class Engine:
         self.kv, self.model, self.runner = rank.kv, rank.model, rank.runner
         self.pool = BlockPool(rank.num_blocks, enable_caching=cfg.enable_prefix_caching)
         k = self.runner.k
-        self.scheduler = Scheduler(self.pool, cfg.block_size, cfg.max_batch, cfg.buckets,
-                                   cfg.max_num_batched_tokens, spec_tokens=k)
+        self.scheduler = Scheduler(self.pool, cfg, spec_tokens=k)
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[_InFlight] = deque()
         self.stats = EngineStats()

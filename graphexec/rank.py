@@ -8,12 +8,11 @@ from typing import Callable
 
 import torch
 
-from .capture.prefill import token_buckets
-from .capture.state import Variant
 from .config import EngineConfig
 from .kernels import select_ops
 from .model import KVCache, LlamaModel, ModelConfig, ModelSource, load_model
 from .model.shard import UNSHARDED, Shard
+from .plan import Variant
 from .runner import ModelRunner
 from .spec import build_draft
 
@@ -52,10 +51,9 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
     model = LlamaModel(mc, weights, ops, max_positions=max_len + 2 + k, shard=shard)
     del weights  # under tensor parallelism model.weights holds the LM head's slice, not this
     draft = build_draft(spec, model, kv, max_len, cfg.seed) if spec is not None else None
-    # the largest prefill a step runs: the whole budget when no row decodes
     runner = make_runner(model, kv, cfg.max_batch, max_len, cfg.block_size,
                          scratch_block=num_blocks, draft=draft, num_spec_tokens=k,
-                         max_prefill_tokens=cfg.max_num_batched_tokens)
+                         token_buckets=cfg.token_buckets)
     if cfg.cuda_graphs:
         from .capture.graphs import GraphSet
 
@@ -65,10 +63,8 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
             variants += [Variant(lp, False, sampled=False) for lp in with_lp]
         # Every rank captures the same graphs in the same order: the all-reduces inside them
         # pair up across ranks.
-        runner.graphs = GraphSet.capture(
-            runner, cfg.buckets, variants,
-            prefill_tokens=token_buckets(cfg.max_num_batched_tokens),
-            progress=shard.rank == 0)
+        runner.graphs = GraphSet.capture(runner, cfg.buckets, variants, cfg.token_buckets,
+                                         progress=shard.rank == 0)
     return Rank(mc, kv, model, runner, num_blocks)
 
 

@@ -11,13 +11,13 @@ import torch
 
 from .capture.iteration import SampleOut, decode_iteration
 from .capture.mixed import mixed_step
-from .capture.prefill import (MAX_PREFILL_SEQS, PrefillChunk, PrefillMeta, pack_prefill,
-                              token_buckets)
+from .capture.prefill import PrefillMeta, pack_prefill
 from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing, ResultMailbox
-from .capture.state import DecodeState, StepDelta, Variant, pack_delta
+from .capture.state import DecodeState, pack_delta
 from .model import KVCache, LlamaModel
 from .outputs import TokenLogprob
+from .plan import MAX_PREFILL_SEQS, PrefillChunk, StepDelta, Variant
 
 Emitted = list[tuple[int, TokenLogprob | None]]  # the tokens one row produced in one step
 
@@ -58,7 +58,8 @@ ZERO_COPY_RESULTS = True
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, max_rows: int, max_model_len: int,
                  block_size: int, scratch_block: int, draft: DraftModel | None = None,
-                 num_spec_tokens: int = 0, d2h_slots: int = 4, max_prefill_tokens: int = 0):
+                 num_spec_tokens: int = 0, d2h_slots: int = 4,
+                 token_buckets: list[int] = ()):
         self.model, self.kv = model, kv
         self.draft, self.k = draft, num_spec_tokens
         # A step with prompt chunks runs them and the decode rows in one forward
@@ -78,12 +79,12 @@ class ModelRunner:
         self.h2d = H2DRing(self.device, num_slots=8)
         self.scratch_block = scratch_block
         # The static buffer captured prefill graphs read (capture/prefill.py); sized for the
-        # largest token bucket.
-        self.prefill_tokens = token_buckets(max_prefill_tokens) if max_prefill_tokens else []
+        # largest token bucket (EngineConfig.token_buckets: the whole budget of a step).
+        self.token_buckets = list(token_buckets)
         self.prefill_buffer = torch.zeros(
-            PrefillMeta.size(max_prefill_tokens, MAX_PREFILL_SEQS, self.state.max_cols),
+            PrefillMeta.size(token_buckets[-1], MAX_PREFILL_SEQS, self.state.max_cols),
             dtype=torch.int64, device=self.device
-        ) if self.device.type == "cuda" and max_prefill_tokens else None
+        ) if self.device.type == "cuda" and token_buckets else None
         cuda = self.device.type == "cuda"
         n = self.state.out_top_ids.shape[-1]
         rows = 2 * (max_rows + 1)  # prefill results sit after the decode rows: one copy each
@@ -186,7 +187,7 @@ class ModelRunner:
         st = self.state
         tokens = None
         if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS:
-            tokens = next((t for t in self.prefill_tokens if t >= num_tokens), None)
+            tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
         if tokens is None:
             cols = max(len(c.blocks) for c in chunks)
             ints = pack_prefill(chunks, num_tokens, len(chunks), cols, self.block_size,

@@ -14,25 +14,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .capture.prefill import MAX_PREFILL_SEQS, PrefillChunk, bucket_floor, token_buckets
-from .capture.state import NewRow, StepDelta, Variant
 from .block_pool import BlockPool, chain_hashes
+from .config import EngineConfig
+from .plan import MAX_PREFILL_SEQS, NewRow, Plan, PrefillChunk, StepDelta, Variant, bucket_floor
 from .request import Request, Status
-
-
-@dataclass
-class Plan:
-    step_id: int
-    delta: StepDelta | None  # None: the batch is unchanged since the last step
-    prefills: list[PrefillChunk]
-    prefill_requests: list[Request]  # one per chunk
-    rows: list[Request]  # row order at launch: results are matched to requests by it
-    bucket: int
-    variant: Variant
-
-    @property
-    def empty(self) -> bool:
-        return not self.rows and not self.prefills
 
 
 @dataclass
@@ -41,7 +26,6 @@ class SchedulerStats:
     pauses: int = 0
     resumed: int = 0
     admitted: int = 0
-    deferred_releases: int = 0
     prefill_chunks: int = 0  # chunks that did not end their prompt
     prefill_evictions: int = 0  # evictions of a request in the middle of its prefill
     prefix_query_tokens: int = 0  # prompt tokens admitted (recomputes included)
@@ -49,19 +33,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_batch: int,
-                 buckets: list[int], max_num_batched_tokens: int, spec_tokens: int = 0):
+    def __init__(self, pool: BlockPool, config: EngineConfig, spec_tokens: int = 0):
         self.pool = pool
         self.spec_tokens = spec_tokens  # K draft positions written past each row's input
         # Without speculation a step's chunks and decode rows share one forward
         # (capture/mixed.py), padded as a whole to a token bucket; a row its last chunk joins
         # decodes from the next step on.
         self.mixed = spec_tokens == 0
-        self.block_size = block_size
-        self.max_batch = max_batch
-        self.buckets = buckets
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_buckets = token_buckets(max_num_batched_tokens)
+        self.block_size = config.block_size
+        self.max_batch = config.max_batch
+        self.buckets = config.buckets
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.token_buckets = config.token_buckets
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # row order of the DecodeState
         # Admitted, prompt KV partly written, no row yet; sorted by arrival. Each holds every
@@ -214,7 +197,7 @@ class Scheduler:
         if self.mixed:  # the whole step is bucketed: a chunk may fill it to the budget
             budget = self.max_num_batched_tokens - decode_tokens
         else:
-            budget = bucket_floor(self.prefill_buckets,
+            budget = bucket_floor(self.token_buckets,
                                   self.max_num_batched_tokens - decode_tokens)
         for req in list(self.prefilling):
             if budget <= 0 or len(chunks) >= MAX_PREFILL_SEQS:
@@ -314,7 +297,6 @@ class Scheduler:
         """Frees a paused or prefilling request's KV and requeues it to recompute prompt +
         output so far."""
         self.stats.evictions += 1
-        req.num_evictions += 1
         self.release(req)
         req.status = Status.WAITING
         self.add(req)
@@ -327,7 +309,6 @@ class Scheduler:
         if not blocks:
             return
         if req.in_flight:
-            self.stats.deferred_releases += 1
             self.deferred.append((req.last_launched_step, blocks))
         else:
             self.pool.free(blocks)
@@ -342,5 +323,3 @@ class Scheduler:
                 still.append((sid, blocks))
         self.deferred = still
 
-    def blocks_in_flight(self) -> int:
-        return sum(len(b) for _, b in self.deferred)

@@ -17,10 +17,11 @@ def pad_like_graphs(engine: Engine) -> None:
     bucket) places, those past the step's decode rows running as the inert row."""
     import torch
 
-    from graphexec.capture.prefill import MAX_PREFILL_SEQS, PrefillMeta, token_buckets
+    from graphexec.capture.prefill import PrefillMeta
+    from graphexec.plan import MAX_PREFILL_SEQS
 
     runner, budget = engine.runner, engine.config.max_num_batched_tokens
-    runner.prefill_tokens = token_buckets(budget)
+    runner.token_buckets = engine.config.token_buckets
     runner.prefill_buffer = torch.zeros(
         PrefillMeta.size(budget, MAX_PREFILL_SEQS, runner.state.max_cols), dtype=torch.int64)
 

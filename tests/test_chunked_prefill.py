@@ -186,7 +186,8 @@ def test_admissions_and_chunks_have_no_hidden_sync():
 
 
 def test_pack_prefill_lays_out_every_field():
-    from graphexec.capture.prefill import PrefillChunk, PrefillMeta, pack_prefill
+    from graphexec.capture.prefill import PrefillMeta, pack_prefill
+    from graphexec.plan import PrefillChunk
 
     bs, scratch, inert, cols = 4, 99, 7, 3
     # a middle chunk (no row: samples nothing), a prompt's last chunk, an evicted request's

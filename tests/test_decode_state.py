@@ -5,7 +5,8 @@ import random
 
 import torch
 
-from graphexec.capture.state import MAX_STOP_IDS, DecodeState, NewRow, StepDelta, pack_delta
+from graphexec.capture.state import MAX_STOP_IDS, DecodeState, pack_delta
+from graphexec.plan import NewRow, StepDelta
 
 FIELDS = ("input_ids", "positions", "steps", "seeds", "min_tokens", "top_k", "temperature",
           "top_p", "stop_ids", "block_tables")

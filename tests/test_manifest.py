@@ -35,5 +35,5 @@ def test_manifest_of_another_kernel_set_is_refused(tmp_path):
     path = str(tmp_path / "m.json")
     _manifest().save(path)  # no kernels field given: the cuBLAS set (what manifests before it held)
     with pytest.raises(ValueError, match="captured with the 'cublas' kernels"):
-        Engine("tiny", device="cpu", manifest=path, projections="triton")
+        Engine("tiny", device="cpu", manifest=path, projections="auto")
     assert Manifest.load(path).kernels == "cublas"

@@ -3,8 +3,7 @@ write), then onto rank 0's own device; the ranks meet only in the all-reduces in
 forward. Everything else (results, graphs, staging) is the plain runner's."""
 from __future__ import annotations
 
-from ..capture.prefill import PrefillChunk
-from ..capture.state import StepDelta, Variant
+from ..plan import PrefillChunk, StepDelta, Variant
 from ..runner import Launched, ModelRunner, StepTokens
 from .workers import WorkerGroup
 
