@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from . import activation, advance, attention, linear, rmsnorm, rope, sampling
+from .tuning import tuning_for
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Ops:
     # out_linear and mlp and composes the plain projections.
     for_rank: Callable[[int], "Ops"] | None = None
     rank_set: bool = False
+    # Takes the projection weights in the order a decode forward launches them, for a set that
+    # warms L2 with the next projection's weight (kernels/weight_order.py); None: no such set.
+    link_weights: Callable[[list[torch.Tensor]], None] | None = None
     # Whether a sharded model may let the all-reduce also do the next residual add and norm
     # (Shard.all_reduce_norm). It takes that path only for messages that fit its kernel, and
     # its norm sums the squares in another order than the norm kernel, so a row's bits would
@@ -126,11 +130,9 @@ def select_ops(device: torch.device, use_triton: bool | None = None,
     if device.type != "cuda" or use_triton is False:
         return REFERENCE_OPS
     try:
-        from .triton_ops import BATCH_INVARIANT_OPS, TRITON_OPS, TRITON_SINGLE_ROW_OPS
+        from .triton_ops import op_set
     except ImportError:
         if use_triton or batch_invariant:
             raise
         return REFERENCE_OPS
-    if batch_invariant:
-        return BATCH_INVARIANT_OPS
-    return {"cublas": TRITON_OPS, "auto": TRITON_SINGLE_ROW_OPS}[projections]
+    return op_set(projections, batch_invariant, tuning_for(device))

@@ -52,13 +52,10 @@ import triton.language as tl
 
 from . import pdl
 from .rmsnorm import add_rms_norm_ref
+from .tuning import DEFAULT, CollectiveTuning
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# 4-byte words of the message each program sends: 2 KiB of data, 4 KiB on the link per peer,
-# four words (two 16-byte stores) per thread at four warps.
-BLOCK = 512
-NUM_WARPS = 4
 MAX_WORLD = 8  # ranks: at most 8 GPUs share one NVLink domain of a host
 ARRIVED = 1 << 32  # the flag, in the high half of a word
 _ARRIVED = tl.constexpr(ARRIVED)
@@ -66,8 +63,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
               torch.float16: tl.float16}
 # Widest row the fused norm takes (one program a row): 8192 bf16 elements, llama-70b's hidden.
 MAX_ROW_WORDS = 4096
-# Its warps: a row's words over 4-16 warps, this many words a thread.
-NORM_WORDS_PER_THREAD = 8
 # A peer that has not pushed its words by then is dead or hung (module docstring). The first
 # forward of a rank may wait for its peer's Triton compilation, hence the minute.
 TIMEOUT_S = 60.0
@@ -319,12 +314,14 @@ def fits(areas: PeerAreas, x: torch.Tensor) -> bool:
 
 
 def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
-               timeout_s: float = TIMEOUT_S, pushed: bool = False) -> torch.Tensor:
+               timeout_s: float = TIMEOUT_S, pushed: bool = False,
+               t: CollectiveTuning = DEFAULT.collective) -> torch.Tensor:
     """The sum over the ranks of x (each rank calls it with its own x, at the same point of the
     same sequence of all-reduces), in a new tensor. slot: 0 or 1, alternating between
     consecutive calls (module docstring). timeout_s: how long a program waits for a peer
     before it traps. pushed: the kernel that computed x has sent it already (Push); every
-    rank must say the same."""
+    rank must say the same. t: the launch config (all_reduce_block words a program, in
+    all_reduce_warps warps)."""
     if not fits(areas, x):
         raise ValueError(f"all_reduce: {x.numel()} elements of {x.dtype} do not fit "
                          f"{areas.max_words} 4-byte words")
@@ -334,12 +331,13 @@ def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
     n_words = x.numel() * x.element_size() // 4
     source_words = areas.max_words
     dependent = pdl.enabled(x, projection=False)
-    _all_reduce_kernel[(triton.cdiv(n_words, BLOCK),)](
+    block, warps = t.all_reduce_block, t.all_reduce_warps
+    _all_reduce_kernel[(triton.cdiv(n_words, block),)](
         _words(x), _words(out), areas.area_ptrs, n_words,
         slot * areas.world * source_words, source_words, int(timeout_s * 1e9),
-        RANK=areas.rank, WORLD=areas.world, DTYPE=_TL_DTYPES[x.dtype], BLOCK=BLOCK,
-        TIMED=not _INTERPRET, THREADS=32 * NUM_WARPS, PDL=dependent, PUSHED=pushed,
-        num_warps=NUM_WARPS, launch_pdl=dependent)
+        RANK=areas.rank, WORLD=areas.world, DTYPE=_TL_DTYPES[x.dtype], BLOCK=block,
+        TIMED=not _INTERPRET, THREADS=32 * warps, PDL=dependent, PUSHED=pushed,
+        num_warps=warps, launch_pdl=dependent)
     return out
 
 
@@ -358,7 +356,8 @@ def fits_norm(areas: PeerAreas, x: torch.Tensor, residual: torch.Tensor,
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float, areas: PeerAreas, slot: int,
-                            timeout_s: float = TIMEOUT_S, pushed: bool = False
+                            timeout_s: float = TIMEOUT_S, pushed: bool = False,
+                            t: CollectiveTuning = DEFAULT.collective
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce(x) followed by the residual add and RMSNorm that come next in the model, in
     one kernel: (norm(sum + residual), sum + residual), with kernels/rmsnorm.add_rms_norm_ref's
@@ -376,7 +375,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     rows, d = x.shape
     row_words = d * x.element_size() // 4
     block = triton.next_power_of_2(row_words)
-    warps = max(4, min(16, block // (32 * NORM_WORDS_PER_THREAD)))
+    warps = max(4, min(16, block // (32 * t.norm_words_per_thread)))
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     dependent = pdl.enabled(x, projection=False)
     _all_reduce_add_rms_norm_kernel[(rows,)](

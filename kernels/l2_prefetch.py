@@ -2,7 +2,7 @@
 
 At a kernel boundary of the decode step the memory pipe drains: the programs of the kernel
 before finish their last tiles, the next kernel's programs start and wait for their first ones.
-A projection that knows which weight comes next (weight_order.link_next_weights) asks L2
+A projection that knows which weight comes next (kernels/weight_order.py) asks L2
 for the first bytes of it once its own weight loop is done, so HBM keeps streaming across the
 boundary, and across the latency-bound attention between qkv and o. The hint carries no data
 dependency: it only changes where the next kernel's loads are served from, never what they

@@ -21,8 +21,6 @@ rounding points, with the mean square summed in BLOCK_K pieces.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -34,39 +32,19 @@ from .gather_triton import Landing, land_tile, wait_and_place
 from .l2_prefetch import LINE_BYTES, lines_per_program, prefetch_l2
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
+from .tuning import DEFAULT, LinearConfig, LinearTuning
+
+__all__ = ["LinearConfig", "linear", "norm_linear", "silu_mul_linear", "pick_config"]
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET_C = tl.constexpr(_INTERPRET)
-MAX_ROWS = 64  # above this the step is a GEMM: cuBLAS
-# Prologue fusion (norm, silu * mul) pays only for one row: at 16 rows every program re-reads
-# the rows and the fused kernels measured 1.3x (norm) and 3x (silu * mul) slower than separate
-# launches (tools/tune_linear.py, H100), while at one row they saved 7-10%.
-FUSE_MAX_ROWS = 1
+_TUNING = DEFAULT.linear  # what a caller that passes no table gets
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
     """Every output of this module is allocated here (tests replace it to poison outputs)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-@dataclass(frozen=True)
-class LinearConfig:
-    block_m: int  # 1: CUDA-core dot products (M == 1 only); >= 16: tensor-core tl.dot
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        pow2 = lambda v: v >= 1 and v & (v - 1) == 0
-        dims = (self.block_m, self.block_n, self.block_k)
-        if not all(pow2(v) for v in dims) or (self.block_m > 1 and min(dims) < 16):
-            raise ValueError(f"LinearConfig blocks must be powers of two, and at least 16 for "
-                             f"tensor-core dots (block_m > 1); got {dims}")
-        if self.split_k < 1:
-            raise ValueError(f"LinearConfig split_k must be >= 1, got {self.split_k}")
 
 
 # M is the batch: never specialise on it, or every new batch size would compile again.
@@ -348,47 +326,35 @@ def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, push_ptrs
                   tl.program_id(1), M, nw_ptr, g_ptr, ss_ptr)
 
 
-LONG_K = 8192  # pick_config's one-row rule
-
-
-def pick_config(m: int, n: int, k: int) -> LinearConfig:
-    """Per-shape launch parameters, from tools/tune_linear.py on an H100 (llama-1b shapes,
-    docs/benchmarks.md, 2026-11-23): the fastest candidate per row count, rounded to one rule.
+def pick_config(m: int, n: int, k: int, t: LinearTuning = _TUNING) -> LinearConfig:
+    """Per-shape launch parameters from the table t (tools/lab/tune_linear.py measured them).
 
     M = 1: many small CUDA-core programs, no split; under programmatic dependent launch a
-    program fetches its first weight tile before waiting for the previous kernel. 8 columns x
-    1024-wide K steps, but 4 x 2048 for a long K (8192+: the down projections of llama-1b, and
-    of llama-8b at size 1; at tensor_parallel_size 2 its K is 7168), where 1024-wide steps
-    doubled each program's serial walk. On two H200s (2026-11-26, docs/benchmarks.md "Tensor
-    parallelism"), against 4 x 2048 everywhere (the rule before): llama-8b's batch-1 step 2.431
-    against 2.630 ms at tensor_parallel_size 2 (4 x 1024: 2.565) and 4.085 against 4.138 at
-    size 1; llama-1b's 0.885 against 0.866 with 8 x 1024 everywhere, 0.890 with 8 x 1024 for
-    the down projection alone. 4 x 2048 had come from llama-1b on an H100, where 2048-wide
-    steps beat 512-wide ones (1.148 -> 1.111 ms a step) and the down projection's 1024-wide
-    ones (1.112 -> 1.063, tools/decode_variants.py, 2026-11-24). M > 1: tensor-core tiles with
-    4 pipeline stages; wide N tiles only for the wide weights (gate_up, lm_head). K is
-    split only when it is longer than N (the down projection), where few output tiles each walk
-    a long reduction; elsewhere the partial-sum kernel cost more than the programs it added."""
+    program fetches its first weight tile before waiting for the previous kernel; a long K
+    takes fewer columns and longer steps. M > 1: tensor-core tiles with 4 pipeline stages; wide
+    N tiles only for the wide weights (gate_up, lm_head). K is split only when it is longer
+    than N (the down projection), where few output tiles each walk a long reduction;
+    elsewhere the partial-sum kernel cost more than the programs it added."""
     if m == 1:
-        return LinearConfig(1, 4, 2048) if k >= LONG_K else LinearConfig(1, 8, 1024)
+        return t.one_row_long if k >= t.one_row_long_k else t.one_row
     block_m = 16 if m <= 16 else 64
-    wide = n >= 16384
+    wide = n >= t.wide_n
     block_n = 64 if wide else (32 if n >= 3072 or block_m == 64 else 16)
     block_k = 256 if block_m == 16 and not wide else 128
     stages = 3 if wide and block_m == 64 else 4
     split = 1
     if k > n:
         programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-        split = _split_k(programs, 256, k, block_k)
+        split = _split_k(programs, t.split_programs, k, block_k)
     return LinearConfig(block_m, block_n, block_k, split, num_stages=stages)
 
 
-def pick_norm_config(m: int, n: int, k: int) -> LinearConfig:
+def pick_norm_config(m: int, n: int, k: int, t: LinearTuning = _TUNING) -> LinearConfig:
     """With the norm in the prologue each program first reads its rows once for the mean square,
-    so fewer, wider programs won (tune_linear: 8 x 1024 at M = 1)."""
+    so fewer, wider programs won at one row."""
     if m == 1:
-        return LinearConfig(1, 8, 1024)
-    return pick_config(m, n, k)
+        return t.one_row_norm
+    return pick_config(m, n, k, t)
 
 
 def _split_k(programs: int, want_programs: int, k: int, block_k: int) -> int:
@@ -400,10 +366,11 @@ def _split_k(programs: int, want_programs: int, k: int, block_k: int) -> int:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
-              *others: torch.Tensor | None, max_rows: int | None = MAX_ROWS) -> bool:
+              *others: torch.Tensor | None, max_rows: int | None = _TUNING.max_rows) -> bool:
     """Whether the kernel takes these operands. width: x's columns per weight column (2 for
-    [gate | up]); max_rows: the most rows it takes (None: any); others: bias, residual, norm weight (None where absent) must match x's dtype
-    and device and be dense, else the caller falls back to torch."""
+    [gate | up]); max_rows: the most rows it takes (None: any); others: bias, residual, norm
+    weight (None where absent) must match x's dtype and device and be dense, else the caller
+    falls back to torch."""
     if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == width * weight.shape[1]
             and 0 < x.shape[0] and (max_rows is None or x.shape[0] <= max_rows)
             and x.dtype in (torch.bfloat16, torch.float16)
@@ -413,14 +380,12 @@ def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
                for t in (weight, *others) if t is not None)
 
 
-_SUM_BLOCK = 1024  # columns per program of _split_sum_kernel
-
-
 def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | None,
             gated: bool = False, silu_out: bool = False, res_out: torch.Tensor | None = None,
             norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
             prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0,
-            push: Push | None = None, gather: Landing | None = None):
+            push: Push | None = None, gather: Landing | None = None,
+            t: LinearTuning = _TUNING):
     """gated: x is [gate | up] and the input silu(gate) * up; silu_out: the weight is
     [gate | up] and the output silu(gate) * up; res_out: a residual added to the output;
     norm_out: with res_out, the next norm's weight, and then (out, summed, g, ss) come back
@@ -435,7 +400,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     n, k = weight.shape
     if silu_out:
         n //= 2
-    cfg = config or (pick_norm_config if norm_weight is not None else pick_config)(m, n, k)
+    cfg = config or (pick_norm_config if norm_weight is not None else pick_config)(m, n, k, t)
     out = _new((m, n * gather.world if gather is not None else n), x.dtype, x.device)
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -464,7 +429,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     g = ss = None
     if norm_out is not None:
         g = _new((m, n), x.dtype, x.device)
-        tiles = triton.cdiv(n, cfg.block_n if split == 1 else _SUM_BLOCK)
+        tiles = triton.cdiv(n, cfg.block_n if split == 1 else t.split_sum_block)
         ss = _new((tiles, m), torch.float32, x.device)
     nw = next(t for t in (norm_weight, norm_out, x) if t is not None)
     n_ss = 0 if row_scale is None else row_scale.shape[0]
@@ -496,7 +461,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
         PUSH=push is not None and split == 1, **ranks, GATHER=gather is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
     if split > 1:
-        block = min(_SUM_BLOCK, triton.next_power_of_2(n))
+        block = min(t.split_sum_block, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](
             ws, out, r, nw, g if g is not None else out, ss if ss is not None else out,
             *push_ptrs, m, n, *push_words_at, SPLIT=split, BLOCK=block,
@@ -510,29 +475,31 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
-           prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0) -> torch.Tensor:
-    """max_rows: above it cuBLAS (the "auto" projections pass 1); prefetch: see _launch."""
-    if not supported(x, weight, 1, bias, max_rows=max_rows):
+           config: LinearConfig | None = None, max_rows: int | None = None,
+           prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0,
+           t: LinearTuning = _TUNING) -> torch.Tensor:
+    """max_rows: above it cuBLAS (default t.max_rows; the "auto" projections pass theirs);
+    prefetch: see _launch; t: the table (here and below)."""
+    if not supported(x, weight, 1, bias, max_rows=max_rows or t.max_rows):
         return F.linear(x, weight, bias)
     return _launch(x, None, None, 0.0, weight, bias, config, prefetch=prefetch,
-                   prefetch_bytes=prefetch_bytes)[0]
+                   prefetch_bytes=prefetch_bytes, t=t)[0]
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                    max_rows: int = MAX_ROWS, prefetch: torch.Tensor | None = None,
-                    prefetch_bytes: int = 0) -> torch.Tensor:
-    """linear(silu(gate) * up): up to FUSE_MAX_ROWS rows (or any given config) the activation
-    runs in the down projection's prologue, saving a launch and the intermediate's round trip
-    through memory; above, the activation kernel then linear()."""
-    if not supported(gate_up, weight, 2, bias, max_rows=max_rows):
+                    max_rows: int | None = None, prefetch: torch.Tensor | None = None,
+                    prefetch_bytes: int = 0, t: LinearTuning = _TUNING) -> torch.Tensor:
+    """linear(silu(gate) * up): up to t.fuse_max_rows rows (or any given config) the
+    activation runs in the down projection's prologue, saving a launch and the intermediate's
+    round trip through memory; above, the activation kernel then linear()."""
+    if not supported(gate_up, weight, 2, bias, max_rows=max_rows or t.max_rows):
         return silu_mul_then_linear(gate_up, weight, bias)
-    if config is None and gate_up.shape[0] > FUSE_MAX_ROWS:
+    if config is None and gate_up.shape[0] > t.fuse_max_rows:
         return linear(silu_mul(gate_up), weight, bias, max_rows=max_rows, prefetch=prefetch,
-                      prefetch_bytes=prefetch_bytes)
+                      prefetch_bytes=prefetch_bytes, t=t)
     return _launch(gate_up, None, None, 0.0, weight, bias, config, gated=True,
-                   prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
+                   prefetch=prefetch, prefetch_bytes=prefetch_bytes, t=t)[0]
 
 
 def silu_mul_then_linear(gate_up: torch.Tensor, weight: torch.Tensor,
@@ -560,18 +527,18 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Ten
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: LinearConfig | None = None, max_rows: int = MAX_ROWS,
-                prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel up to FUSE_MAX_ROWS rows (or any given config). Beyond that every program
+                config: LinearConfig | None = None, max_rows: int | None = None,
+                prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0,
+                t: LinearTuning = _TUNING) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel up to t.fuse_max_rows rows (or any given config). Beyond that every program
     re-reading the rows for their mean square costs more than the separate norm launch it
     saves: the norm kernel, then linear()."""
-    if (not supported(x, weight, 1, bias, residual, norm_weight, max_rows=max_rows)
+    if (not supported(x, weight, 1, bias, residual, norm_weight, max_rows=max_rows or t.max_rows)
             or (residual is not None and residual.shape != x.shape)):
         return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
-    if config is None and x.shape[0] > FUSE_MAX_ROWS:
+    if config is None and x.shape[0] > t.fuse_max_rows:
         normed, summed = _norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias, max_rows=max_rows, prefetch=prefetch,
-                      prefetch_bytes=prefetch_bytes), summed
+                      prefetch_bytes=prefetch_bytes, t=t), summed
     return _launch(x, residual, norm_weight, eps, weight, bias, config, prefetch=prefetch,
-                   prefetch_bytes=prefetch_bytes)
+                   prefetch_bytes=prefetch_bytes, t=t)

@@ -1,4 +1,4 @@
-"""The fused tensor-core projections of kernels/linear_triton.py (what `triton_ops.fused_ops`
+"""The fused tensor-core projections of kernels/linear_triton.py (what `op_sets.FusedOps`
 runs for multi-row decode batches) against PyTorch: gate_up with the silu * mul epilogue against
 F.linear in fp32 and kernels/activation.py; the residual epilogue (and the
 split-K sum that carries it) against F.linear in fp32 plus the add; and a whole model on the
@@ -14,6 +14,26 @@ SILU_SHAPES = big([(64, 8192, 2048), (33, 1000, 896), (5, 2048, 1024), (2, 64, 2
                   [(3, 40, 96), (17, 24, 64)])
 SILU_CONFIGS = big([None, (64, 32, 64, 1), (16, 16, 128, 1), (64, 64, 128, 1)],
                    [None, (16, 16, 32, 1)])
+
+
+def _fused_ops(base, min_rows: int = 2, max_rows: int = 64, **tuning):
+    """kernels/op_sets.FusedOps over base for min_rows..max_rows rows, as the Ops it gives."""
+    from dataclasses import replace
+
+    from graphexec.kernels.op_sets import FusedOps
+    from graphexec.kernels.tuning import DEFAULT
+    from graphexec.kernels.weight_order import WeightOrder
+
+    t = replace(DEFAULT.linear, fused_min_rows=min_rows, fused_max_rows=max_rows, **tuning)
+    return FusedOps(base, t, WeightOrder()).ops()
+
+
+def _auto_ops():
+    """projections="auto" with the shipped table."""
+    from graphexec.kernels.triton_ops import op_set
+    from graphexec.kernels.tuning import DEFAULT
+
+    return op_set("auto", False, DEFAULT)
 
 
 def _ref_linear(x, w):
@@ -163,13 +183,15 @@ def test_l2_prefetch_changes_no_result(K, m):
 
 def test_weights_link_in_launch_order_and_hint_sizes():
     from graphexec.kernels.l2_prefetch import lines_per_program
-    from graphexec.kernels.weight_order import link_next_weights, next_weight
+    from graphexec.kernels.weight_order import WeightOrder
     ws = [torch.zeros(64, 32, dtype=torch.bfloat16) for _ in range(3)]
-    link_next_weights(ws)
-    assert next_weight(ws[0]) is ws[1] and next_weight(ws[1]) is ws[2]
-    assert next_weight(ws[2]) is None and next_weight(torch.zeros(2)) is None
-    link_next_weights([ws[0], ws[2]])  # a later model over the same weights: first link stays
-    assert next_weight(ws[0]) is ws[1]
+    order = WeightOrder()
+    order.link(ws)
+    assert order.next(ws[0]) is ws[1] and order.next(ws[1]) is ws[2]
+    assert order.next(ws[2]) is None and order.next(torch.zeros(2)) is None
+    order.link([ws[0], ws[2]])  # a later model over the same weights: first link stays
+    assert order.next(ws[0]) is ws[1]
+    assert WeightOrder().next(ws[0]) is None  # another op set's order knows none of them
     # 4 KiB = 32 lines of 128 bytes over 8 programs: 4 each; capped by max_bytes; none asked
     assert lines_per_program(ws[0], 1 << 20, 8) == 4
     assert lines_per_program(ws[0], 1024, 8) == 1
@@ -189,20 +211,18 @@ def test_silu_epilogue_refuses_split_k(K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("qkv_triton", [False, True])
-def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed, qkv_triton, monkeypatch):
+def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed, qkv_triton):
     """The whole bf16 model on the fused op set is as accurate, against the fp32 reference
     model, as on the unfused Triton set: the three prompts packed into one forward (22 rows,
     inside the fused range), or one token alone (outside it: there the two op sets must agree
     bitwise)."""
-    from graphexec.kernels import REFERENCE_OPS, triton_ops
-    from graphexec.kernels.triton_ops import TRITON_OPS, fused_ops
+    from graphexec.kernels import REFERENCE_OPS
+    from graphexec.kernels.triton_ops import TRITON_OPS
     from test_hf_parity import PROMPTS, _graphexec_prefill_logits
-
-    monkeypatch.setattr(triton_ops, "FUSED_QKV_TRITON_MAX_ELEMENTS", 1 << 62 if qkv_triton else 0)
 
     path, _ = hf_dirs_moderate["llama"]
     dev = str(DEV)
-    fused = fused_ops(TRITON_OPS, 2, 64)
+    fused = _fused_ops(TRITON_OPS, fused_qkv_max_elements=1 << 62 if qkv_triton else 0)
     prompts = PROMPTS if packed else [PROMPTS[0][:1]]
     truth = _graphexec_prefill_logits(path, dev, torch.float32, prompts, ops=REFERENCE_OPS)
     base = _graphexec_prefill_logits(path, dev, torch.bfloat16, prompts, ops=TRITON_OPS)
@@ -218,13 +238,13 @@ def test_model_forward_on_fused_ops(K, hf_dirs_moderate, packed, qkv_triton, mon
 @kernel_test
 @pytest.mark.gpu
 def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
-    """projections="auto": from FUSED_MIN_ROWS to FUSED_MAX_ROWS rows o and down add the
+    """projections="auto": from fused_min_rows to fused_max_rows rows o and down add the
     residual in their epilogue and gate_up applies silu * mul in its (residual None comes
     back: already added), and a small qkv weight runs on Triton; other row counts leave the
     add to the next norm and run cuBLAS."""
-    from graphexec.kernels import triton_ops
+    from graphexec.kernels.tuning import DEFAULT
 
-    ops, lt, lf = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt, K.lf
+    ops, lt, lf, t = _auto_ops(), K.lt, K.lf, DEFAULT.linear
     h, inter = big((2048, 4096), (64, 96))
     w_o = _randn((h, h), torch.bfloat16, 50, h ** -0.5)
     w_gu = _randn((2 * inter, h), torch.bfloat16, 51, h ** -0.5)
@@ -235,7 +255,7 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
         out, r = ops.out_linear(x, w_o, res)
         y, r2 = ops.mlp(x, res, nw, 1e-6, w_gu, w_down)
         qkv, summed = ops.norm_linear(x, None, nw, 1e-6, w_o)  # a small weight, as qkv
-        if triton_ops.FUSED_MIN_ROWS <= m <= triton_ops.FUSED_MAX_ROWS:
+        if t.fused_min_rows <= m <= t.fused_max_rows:
             cfg = lf.pick_fused_config(m, h, h, "qkv")
             assert torch.equal(qkv, lt.linear(lt._norm(x, None, nw, 1e-6)[0], w_o, config=cfg))
             assert r is None and torch.equal(out, lf.linear_add(x, w_o, res))
@@ -253,16 +273,17 @@ def test_auto_ops_fuse_the_epilogues_from_33_to_64_rows(K):
 @kernel_test
 @pytest.mark.gpu
 def test_rank_sets_return_partial_sums_and_pass_the_residual_on(K):
-    """Under tensor parallelism (fused_ops(rank=r), through Ops.for_rank): o and down of every
+    """Under tensor parallelism (FusedOps(rank=r), through Ops.for_rank): o and down of every
     rank return its partial sum alone, at 33-64 rows on linear_add's kernel without the add,
     and hand the residual stream on for the all-reduce to add once; no norm is begun (a
     Prenormed of a partial sum would be wrong). mlp of a Normed (its add and norm done by the
     all-reduce before it) gives what mlp of the stream gives; norm_linear of one is the
     projection alone, on the fused qkv config at 33-64 rows. Summed over two ranks, plus the
     residual, they give the whole projections."""
-    from graphexec.kernels import Normed, triton_ops
+    from graphexec.kernels import Normed
+    from graphexec.kernels.tuning import DEFAULT
 
-    lf = K.lf
+    lf, fused_min_rows = K.lf, DEFAULT.linear.fused_min_rows
     h, inter = big((2048, 4096), (64, 96))
     bf = torch.bfloat16
     w_o = _randn((h, h), bf, 60, h ** -0.5)
@@ -273,7 +294,7 @@ def test_rank_sets_return_partial_sums_and_pass_the_residual_on(K):
     # rank r: o's input columns, gate's and up's output rows, down's input columns of its half
     gu = [torch.cat([w_gu[r * ih:(r + 1) * ih], w_gu[inter + r * ih:inter + (r + 1) * ih]])
           for r in (0, 1)]
-    ranks = [triton_ops.TRITON_SINGLE_ROW_OPS.for_rank(r) for r in (0, 1)]
+    ranks = [_auto_ops().for_rank(r) for r in (0, 1)]
     for m in (1, 32, 64):
         x, res = _randn((m, h), bf, 64), _randn((m, h), bf, 65)
         normed, summed = K.lt._norm(x, res, nw, 1e-6)
@@ -287,13 +308,13 @@ def test_rank_sets_return_partial_sums_and_pass_the_residual_on(K):
         assert all(r is res and isinstance(o, torch.Tensor) for o, r in outs)
         assert all(torch.equal(r, summed) for _, r in mlps)
         assert all(r is summed for _, r in given_normed)
-        if m >= triton_ops.FUSED_MIN_ROWS:
+        if m >= fused_min_rows:
             for r in (0, 1):
                 cols = slice(r * half, (r + 1) * half)
                 assert torch.equal(outs[r][0], lf.linear_partial(x[:, cols], w_o[:, cols]))
         qkv, r = ranks[1].norm_linear(Normed(normed, summed, nw), None, nw, 1e-6, w_o)
         assert r is summed  # w_o stands for a small qkv weight
-        if m >= triton_ops.FUSED_MIN_ROWS:
+        if m >= fused_min_rows:
             cfg = lf.pick_fused_config(m, h, h, "qkv")
             assert torch.equal(qkv, K.lt.linear(normed, w_o, config=cfg))
         else:
@@ -316,14 +337,14 @@ def test_rank_sets_return_partial_sums_and_pass_the_residual_on(K):
 @pytest.mark.skipif(INTERPRET, reason="an LM head has >= 65536 rows: too slow interpreted")
 @pytest.mark.parametrize("m", [16, 33, 64])
 def test_lm_head_of_fused_rows_on_triton(K, m):
-    """The LM head (a weight of WIDE_WEIGHT_ROWS+ rows) of a 33-64-row batch: the norm, then
-    the tensor-core Triton kernel with its lm_head tile (FUSED_LM_HEAD); other row counts as
-    the base op set. Both against PyTorch's norm and projection."""
-    from graphexec.kernels import triton_ops
+    """The LM head (a weight of wide_weight_rows+ rows) of a 33-64-row batch: the norm, then
+    the tensor-core Triton kernel with its lm_head tile; other row counts as the base op set.
+    Both against PyTorch's norm and projection."""
     from graphexec.kernels.linear import norm_linear_ref
+    from graphexec.kernels.tuning import DEFAULT
 
-    ops, lt, lf = triton_ops.TRITON_SINGLE_ROW_OPS, K.lt, K.lf
-    h, vocab = 256, triton_ops.WIDE_WEIGHT_ROWS + 1000  # ragged: the last tile is masked
+    ops, lt, lf, t = _auto_ops(), K.lt, K.lf, DEFAULT.linear
+    h, vocab = 256, t.wide_weight_rows + 1000  # ragged: the last tile is masked
     w = _randn((vocab, h), torch.bfloat16, 60, h ** -0.5)
     nw = (1.0 + 0.2 * _randn((h,), torch.float32, 61)).to(torch.bfloat16)
     x, res = _randn((m, h), torch.bfloat16, 62), _randn((m, h), torch.bfloat16, 63)
@@ -338,7 +359,7 @@ def test_lm_head_of_fused_rows_on_triton(K, m):
     assert logits.shape == want.shape and logits.dtype == want.dtype
     assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
     normed = lt._norm(x, res, nw, 1e-6)[0]
-    if triton_ops.FUSED_MIN_ROWS <= m <= triton_ops.FUSED_MAX_ROWS and triton_ops.FUSED_LM_HEAD:
+    if t.fused_min_rows <= m <= t.fused_max_rows:
         cfg = lf.pick_fused_config(m, vocab, h, "lm_head")
         assert torch.equal(logits, lt.linear(normed, w, config=cfg))
 
@@ -351,7 +372,7 @@ def test_decode_step_on_fused_ops(K, hf_dirs_moderate):
     each row's prompt was prefilled: as accurate against the fp32 reference model as the
     unfused Triton set."""
     from graphexec.kernels import REFERENCE_OPS
-    from graphexec.kernels.triton_ops import TRITON_OPS, fused_ops
+    from graphexec.kernels.triton_ops import TRITON_OPS
     from graphexec.model import LlamaModel, ModelConfig, load_weights
     from graphexec.model.llama import AttentionInputs, KVCache
 
@@ -390,7 +411,7 @@ def test_decode_step_on_fused_ops(K, hf_dirs_moderate):
 
     truth = logits(REFERENCE_OPS, torch.float32)
     base = logits(TRITON_OPS, torch.bfloat16)
-    ours = logits(fused_ops(TRITON_OPS, 2, 64), torch.bfloat16)
+    ours = logits(_fused_ops(TRITON_OPS), torch.bfloat16)
     err = ((ours - truth).norm() / truth.norm()).item()
     base_err = ((base - truth).norm() / truth.norm()).item()
     assert err <= 1.25 * base_err + 1e-3, (err, base_err)

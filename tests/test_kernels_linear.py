@@ -131,7 +131,9 @@ def test_linear_falls_back_where_unsupported(K):
     x = _randn((3, 64), torch.float32, 10)
     w = _randn((32, 64), torch.float32, 11)
     assert torch.equal(K.lt.linear(x, w), torch.nn.functional.linear(x, w))
-    xb = _randn((K.lt.MAX_ROWS + 1, 64), torch.bfloat16, 12)
+    from graphexec.kernels.tuning import DEFAULT
+
+    xb = _randn((DEFAULT.linear.max_rows + 1, 64), torch.bfloat16, 12)
     wb = w.to(torch.bfloat16)
     assert torch.equal(K.lt.linear(xb, wb), torch.nn.functional.linear(xb, wb))
 
@@ -163,14 +165,17 @@ def test_single_row_projections_use_cublas_above_one_row(K):
 @pytest.mark.gpu
 def test_auto_lm_head_stays_on_triton_up_to_wide_max_rows(K, monkeypatch):
     """projections="auto": the widest weight (the LM head) takes the norm kernel and then the
-    Triton projection from 2 to WIDE_MAX_ROWS rows (a speculative verify), cuBLAS above; other
+    Triton projection from 2 to wide_max_rows rows (a speculative verify), cuBLAS above; other
     weights take cuBLAS from 2 rows."""
-    from graphexec.kernels import triton_ops
+    from dataclasses import replace
+
+    from graphexec.kernels.op_sets import AutoProjections
+    from graphexec.kernels.tuning import DEFAULT
+    from graphexec.kernels.weight_order import WeightOrder
 
     n, k = big((1024, 2048), (40, 128))
-    monkeypatch.setattr(triton_ops, "WIDE_WEIGHT_ROWS", n)
-    monkeypatch.setattr(triton_ops, "WIDE_MAX_ROWS", 4)
-    lt, op = K.lt, triton_ops.auto_ops(1).norm_linear
+    t = replace(DEFAULT.linear, wide_weight_rows=n, wide_max_rows=4)
+    lt, op = K.lt, AutoProjections(t, WeightOrder()).norm_linear
     w, nw = _randn((n, k), torch.bfloat16, 24, k ** -0.5), _randn((k,), torch.bfloat16, 22)
     for m in (3, 4, 5):
         x, res = _randn((m, k), torch.bfloat16, 20), _randn((m, k), torch.bfloat16, 21)
@@ -230,7 +235,10 @@ def test_model_prefill_with_batch_invariant_kernels_ignores_packing(K, hf_dirs_m
     """The whole bf16 model on the batch-invariant kernels: a prompt's logits are bitwise the
     same prefilled alone or packed with others (sync and async mode pack different prefill
     batches; speculative verify and draft see different row counts)."""
-    from graphexec.kernels.triton_ops import BATCH_INVARIANT_OPS
+    from graphexec.kernels.triton_ops import op_set
+    from graphexec.kernels.tuning import DEFAULT
+
+    BATCH_INVARIANT_OPS = op_set("auto", True, DEFAULT)
     from test_hf_parity import PROMPTS, _graphexec_prefill_logits
 
     path, _ = hf_dirs_moderate["qwen3"]  # q/k norms too
@@ -250,7 +258,10 @@ def test_model_decode_equals_prefill_with_batch_invariant_kernels(K, hf_dirs_mod
     prefilling the whole prompt: what makes KV rebuilt by an eviction's recompute equal to what
     decoding wrote (batch-invariant kernels only; the interpreter cannot tell the kernel sets
     apart, the GPU can)."""
-    from graphexec.kernels.triton_ops import BATCH_INVARIANT_OPS
+    from graphexec.kernels.triton_ops import op_set
+    from graphexec.kernels.tuning import DEFAULT
+
+    BATCH_INVARIANT_OPS = op_set("auto", True, DEFAULT)
     from graphexec.model import LlamaModel, ModelConfig, load_weights
     from graphexec.model.llama import AttentionInputs, KVCache
 

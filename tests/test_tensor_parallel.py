@@ -117,8 +117,8 @@ def test_the_triton_reducer_refuses_a_slot_twice_in_a_row():
     calls = []
     reducer = object.__new__(TritonAllReduce)
     reducer._kernel = SimpleNamespace(
-        all_reduce=lambda t, areas, slot, pushed: calls.append(slot) or t)
-    reducer.areas, reducer._last_slot = None, None
+        all_reduce=lambda x, areas, slot, pushed, t: calls.append(slot) or x)
+    reducer.areas, reducer._last_slot, reducer.t = None, None, None
     t = torch.zeros(4)
     for slot in (0, 1, 0, 1):
         assert reducer(t, slot) is t
@@ -218,10 +218,11 @@ def test_an_all_reduce_that_adds_and_norms_gives_the_same_logits():
         assert calls == {"fused": 2 * layers - 1, "plain": 1}, calls
         assert torch.equal(torch.from_numpy(arrays[0]), plain[rank][0])
         assert refused == {"fused": 0, "plain": 2 * layers}, refused
-    from graphexec.kernels import triton_ops
+    from graphexec.kernels.triton_ops import op_set
+    from graphexec.kernels.tuning import DEFAULT
 
-    assert triton_ops.TRITON_SINGLE_ROW_OPS.all_reduce_norm
-    assert not triton_ops.BATCH_INVARIANT_OPS.all_reduce_norm
+    assert op_set("auto", False, DEFAULT).all_reduce_norm
+    assert not op_set("auto", True, DEFAULT).all_reduce_norm
 
 
 # -- engines ----------------------------------------------------------------------------------

@@ -318,11 +318,15 @@ SWEEP_LAYERS = 8
 def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
                     warps=(2, 4, 8), stages=(2, 3), shapes: list[str] | None = None,
                     splits=(0,)) -> dict:
-    """Decode attention (rope fused, as a decode step runs it) under each launch config of
-    attention_triton.DECODE_TUNING, per shape of SWEEP_SHAPES (those named in shapes, when
-    given): graph microseconds. splits: the most splits a row takes (0: the default rule)."""
+    """Decode attention (rope fused, as a decode step runs it) under each launch config (the
+    decode fields of kernels/tuning.py's AttentionTuning), per shape of SWEEP_SHAPES (those
+    named in shapes, when given): graph microseconds. splits: the most splits a row takes (0:
+    the table's)."""
+    from dataclasses import replace
+
     from graphexec.kernels import attention_decode_triton as at
     from graphexec.kernels.rope import rope_cos_sin
+    from graphexec.kernels.tuning import DEFAULT
 
     bs, dtype = 16, torch.bfloat16
     results: dict = {"device": torch.cuda.get_device_properties(0).name}
@@ -343,21 +347,20 @@ def sweep_attention(out_json_path: str | None = None, block_ns=(32, 64, 128),
         slots = tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
         cos, sin = rope_cos_sin(8192, d, 500000.0, device="cuda")
         for bn, w, st, sp in itertools.product(block_ns, warps, stages, splits):
-            at.DECODE_TUNING.clear()
-            at.DECODE_TUNING.update(block_n=bn, num_warps=w, num_stages=st,
-                                    num_splits=sp)
+            tuning = replace(DEFAULT.attention, decode_block_n=bn, decode_narrow_block_n=bn,
+                             decode_warps=w, decode_small_head_warps=w, decode_stages=st,
+                             **({"max_splits": sp} if sp else {}))
             key = f"{name}_n{bn}_w{w}_s{st}" + (f"_x{sp}" if sp else "")
             try:
                 us = _graph_time_us(lambda: at.rope_decode_attention(
                     q, kn, vn, pos, cos, sin, *next(turn)[:2], slots, tables, sl,
-                    d ** -0.5), reps=2 * SWEEP_LAYERS)
+                    d ** -0.5, tuning=tuning), reps=2 * SWEEP_LAYERS)
             except Exception as e:  # a config that does not fit (shared memory)
                 results[key] = {"error": type(e).__name__}
                 print(f"{key:<40} {type(e).__name__}", flush=True)
                 continue
             results[key] = {"graph_us": us}
             print(f"{key:<40} {us:8.2f} us", flush=True)
-        at.DECODE_TUNING.clear()
         del caches, tables, turn
         torch.cuda.empty_cache()
     if out_json_path:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from ..kernels import Normed, Ops
+from ..kernels import Ops
 from ..kernels.rope import rope_cos_sin
-from ..kernels.weight_order import link_next_weights
 from .config import ModelConfig
+from .layer_ops import LayerOps
 from .shard import UNSHARDED, Shard
 
 
@@ -90,32 +90,23 @@ class LlamaModel:
         """config: the shape these weights compute (a rank's share: shard.config)."""
         self.config = config
         self.shard = shard
+        self.layer_ops = LayerOps.build(ops, shard, config.rms_norm_eps)
+        self.ops = self.layer_ops.ops
         if shard.sharded:
-            # o and down return partial sums here. An op set that adds the residual stream in
-            # their epilogue would add it once per rank, and one that begins the next norm there
-            # would normalise a partial sum: its rank's variant (partial sums only, no norm
-            # begun), or else the plain projections; the residual is added once, after the
-            # sum, by the all-reduce or the next norm (_reduce). A self-draft gets its target's
-            # set, a rank's already.
-            if not ops.rank_set:
-                ops = (ops.for_rank(shard.rank) if ops.for_rank is not None
-                       else replace(ops, out_linear=None, mlp=None))
             whole = weights.lm_head.shape[0] == config.vocab_size  # a self-draft's is split
             if whole and shard.splits_vocab(config.vocab_size):
                 # a copy of this rank's rows (tied embeddings keep the whole table for lookup)
                 weights = replace(weights, lm_head=shard.part(weights.lm_head, 0))
         self.weights = weights
-        self.ops = ops
-        # a rank's op set takes a Normed where a norm_linear is due (Ops.for_rank)
-        self._ops_take_normed = shard.sharded and ops.rank_set
         device = weights.embed.device
         self.cos, self.sin = rope_cos_sin(max_positions, config.head_dim, config.rope_theta,
                                           config.rope_scaling, device=device)
         self.scale = config.head_dim ** -0.5
-        # the launch order, for op sets that warm L2 with the next projection's weight
-        link_next_weights([t for layer in weights.layers
-                           for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                          + [weights.lm_head])
+        if self.ops.link_weights is not None:
+            # the launch order, for op sets that warm L2 with the next projection's weight
+            self.ops.link_weights([t for layer in weights.layers
+                                   for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                                  + [weights.lm_head])
 
     @property
     def device(self) -> torch.device:
@@ -144,81 +135,25 @@ class LlamaModel:
         self-draft's layers (capture/spec_iteration.py). As in forward, the kernel before the
         first layer must be a normal launch (there: the copies that stack the draft's states),
         since the fused attention reads ahead of its PDL wait."""
-        cfg, ops, w = self.config, self.ops, self.weights
+        lo, w = self.layer_ops, self.weights
         h, residual = hidden.out, hidden.residual
         for i, layer in enumerate(w.layers[first_layer:], start=first_layer):
-            # the norm after this layer, which its last projection may half do (Prenormed)
+            # the norm after this layer, which its last projection may begin
             next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else None
             # Each norm feeds exactly one projection: one op, so a kernel may fuse the two.
-            qkv, residual = self._norm_linear(h, residual, layer.input_norm, layer.qkv,
-                                              layer.qkv_bias)
-            o = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
-            # (h, residual): the stream is h + residual, or h when residual is None (an op set
-            # that adds in the projection's epilogue); a sharded model's h is a partial sum,
-            # reduced (and, where it can, normed: a Normed) by _reduce.
-            # o's sums are reduced in slot 0, down's in slot 1, so consecutive reductions
-            # alternate in every forward (kernels/all_reduce_triton.py)
-            if ops.out_linear is None:
-                h = ops.linear(o, layer.o)
-            else:
-                h, residual = ops.out_linear(o, layer.o, residual, layer.post_norm,
-                                             **self._push(0))
-            h = self._reduce(h, residual, layer.post_norm, 0)
-            if ops.mlp is None:
-                gate_up, residual = self._norm_linear(h, residual, layer.post_norm,
-                                                      layer.gate_up)
-                h = ops.silu_mul_linear(gate_up, layer.down)
-            else:
-                h, residual = ops.mlp(h, residual, layer.post_norm, cfg.rms_norm_eps,
-                                      layer.gate_up, layer.down, next_norm, **self._push(1))
-            h = self._reduce(h, residual, next_norm, 1)
+            qkv, residual = lo.norm_qkv(h, residual, layer)
+            attended = self._attention(qkv, positions, attn, layer, kv.k[i], kv.v[i])
+            h, residual = lo.o(attended, residual, layer)
+            h, residual = lo.mlp(h, residual, layer, next_norm)
         return FinalHidden(h, residual)
 
-    def _norm_linear(self, h, residual, norm_weight, weight, bias=None):
-        """(projection of norm(h + residual), h + residual): ops.norm_linear, or for a Normed
-        h (the all-reduce before did the add and the norm) the projection alone."""
-        if isinstance(h, Normed):
-            assert h.norm_weight is norm_weight, "a Normed reaches only the norm it applied"
-            if not self._ops_take_normed:
-                return self.ops.linear(h.x, weight, bias), h.summed
-        return self.ops.norm_linear(h, residual, norm_weight, self.config.rms_norm_eps, weight,
-                                    bias)
-
-    def _push(self, slot: int) -> dict:
-        """push= for a rank set's out_linear and mlp: where the all-reduce in `slot` may take
-        its message from the projection's epilogue (Shard.push_target), or nothing."""
-        push = self.shard.push_target(slot) if self._ops_take_normed else None
-        return {} if push is None else {"push": push}
-
-    def _reduce(self, h, residual, norm_weight, slot: int):
-        """A sharded model's partial sum h over the ranks: with the residual add and the norm
-        by norm_weight (the next one, None after the last layer) folded into the all-reduce
-        where the reducer can and the op set allows (a Normed), else the sum alone. h itself
-        when not sharded. A Pushed h was sent to the peers by its projection already."""
-        if not self.shard.sharded:
-            return h
-        if norm_weight is not None and self.ops.all_reduce_norm:
-            normed = self.shard.all_reduce_norm(h, residual, norm_weight,
-                                                self.config.rms_norm_eps, slot)
-            if normed is not None:
-                return normed
-        return self.shard.all_reduce(h, slot)
-
     def compute_logits(self, hidden: FinalHidden) -> torch.Tensor:
-        """[T, vocab] in the model's dtype: the final (add +) RMSNorm and the LM head, one op
-        so a kernel may fuse the two. Every consumer (sampling, logprobs, rejection) upcasts
-        as it reads, which is exact; a separate fp32 copy cost a full extra pass over the
-        logits each step (24 us at batch 64 on llama-1b)."""
+        """[T, vocab] in the model's dtype: the final (add +) RMSNorm and the LM head. Every
+        consumer (sampling, logprobs, rejection) upcasts as it reads, which is exact; a separate
+        fp32 copy cost a full extra pass over the logits each step."""
         w = self.weights
-        # a rank set may return the whole logits of a split LM head (Shard.gather_target)
-        split = w.lm_head.shape[0] != self.config.vocab_size
-        gather = self.shard.gather_target() if self._ops_take_normed and split else None
-        logits, _ = self.ops.norm_linear(hidden.out, hidden.residual, w.norm,
-                                         self.config.rms_norm_eps, w.lm_head,
-                                         **({} if gather is None else {"gather": gather}))
-        if logits.shape[-1] != self.config.vocab_size:  # this rank's slice of the vocabulary
-            logits = self.shard.gather_vocab(logits)
-        return logits
+        return self.layer_ops.logits(hidden.out, hidden.residual, w.norm, w.lm_head,
+                                     self.config.vocab_size)
 
     def _attention(self, qkv, positions, attn: AttentionInputs, layer: LayerWeights,
                    k_cache, v_cache) -> torch.Tensor:

@@ -32,12 +32,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-# Above this size (at two ranks; half at four, ...) a message goes to NCCL: the one-shot
-# kernel sends the whole message to each peer, cheap for small ones only.
-ONE_SHOT_BYTES_AT_SIZE_2 = 4 << 20
-# Each rank's landing zone for the LM head's gather holds a box of this many bytes per rank: a
-# 64-row bf16 slice of up to 131,072 columns.
-GATHER_BOX_BYTES = 16 << 20
+from ..kernels.tuning import CollectiveTuning, tuning_for
 
 CHOICES = ("nccl", "triton")
 DEFAULT = "triton"
@@ -81,18 +76,21 @@ def _mapped(group: dist.ProcessGroup, device: torch.device, nbytes: int):
 class TritonAllReduce:
     """kernels/all_reduce_triton.py over one rank's mapped area ("triton")."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, size: int,
+                 t: CollectiveTuning):
         from ..kernels import all_reduce_triton
 
         check(size)
+        self.t = t
         self._kernel = all_reduce_triton
         from ..kernels.gather_triton import Landing
 
-        max_words = all_reduce_triton.PeerAreas.box_words(2 * ONE_SHOT_BYTES_AT_SIZE_2 // size)
+        # above this message size (at two ranks; half at four, ...) a message goes to NCCL
+        max_words = all_reduce_triton.PeerAreas.box_words(2 * t.one_shot_bytes_at_size_2 // size)
         area = all_reduce_triton.PeerAreas.area_bytes(size, max_words)
         # one mapping: the all-reduce's area, then the gather's landing zone, then its counter
         # (a second rendezvous in a process is what the module docstring warns of)
-        zone = size * GATHER_BOX_BYTES
+        zone = size * t.gather_box_bytes
         self.buffer, handle = _mapped(group, device, area + zone + 64)
         bases = [int(p) for p in handle.buffer_ptrs]
         ptrs = lambda offset: torch.tensor([b + offset for b in bases], dtype=torch.int64,
@@ -104,7 +102,7 @@ class TritonAllReduce:
         self.landing = Landing(
             rank=rank, world=size, landing_ptrs=ptrs(area), counter_ptrs=ptrs(area + zone),
             zone=self.buffer[area:area + zone],
-            waited=torch.zeros(1, dtype=torch.int64, device=device), box_bytes=GATHER_BOX_BYTES)
+            waited=torch.zeros(1, dtype=torch.int64, device=device), box_bytes=t.gather_box_bytes)
         # Every word "not arrived" on every rank before any rank pushes one.
         self.buffer.zero_()
         torch.cuda.synchronize(device)
@@ -128,7 +126,7 @@ class TritonAllReduce:
         consecutive all-reduces (the model's o and down). pushed: t's projection has sent it
         (push)."""
         self._check_slot(slot)
-        out = self._kernel.all_reduce(t, self.areas, slot, pushed=pushed)
+        out = self._kernel.all_reduce(t, self.areas, slot, pushed=pushed, t=self.t)
         self._last_slot = slot
         return out
 
@@ -143,7 +141,7 @@ class TritonAllReduce:
         (all_reduce_triton.all_reduce_add_rms_norm); slot and pushed as __call__'s."""
         self._check_slot(slot)
         out = self._kernel.all_reduce_add_rms_norm(t, residual, norm_weight, eps, self.areas,
-                                                   slot, pushed=pushed)
+                                                   slot, pushed=pushed, t=self.t)
         self._last_slot = slot
         return out
 
@@ -175,4 +173,4 @@ def make_reducer(kind: str, group: dist.ProcessGroup, device: torch.device,
     if kind == "nccl":
         return None
     _mapped_once = True
-    return TritonAllReduce(group, device, size)
+    return TritonAllReduce(group, device, size, tuning_for(device).collective)

@@ -1,4 +1,4 @@
-"""Launch configs of the fused tensor-core projections (triton_ops.fused_ops) on a GPU, against
+"""Launch configs of the fused tensor-core projections (kernels/op_sets.py, FusedOps) on a GPU, against
 the unfused cuBLAS path they replace, on a model's layer shapes: every projection of 16 layers
 with their own weights (so nothing is served from L2) replayed from one CUDA graph, the way the
 decode step chains them.
@@ -11,7 +11,7 @@ plain) the candidate configs in microseconds per layer, against the cuBLAS kerne
 replace; then a layer's whole projection chain, fused (best configs; qkv on cuBLAS or Triton,
 projections as programmatic dependents or not) against cuBLAS with its separate add + RMSNorm
 and silu * mul kernels. Writes tune_fused.json to --out.
-pick_fused_config in kernels/linear_fused_triton.py is to be set from these runs.
+pick_fused_config's table (kernels/tuning.py, LinearTuning) is to be set from these runs.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ decode step: inside a CUDA graph, over enough weight copies that nothing is serv
 
 Prints, per (shape, M), cuBLAS and the best configs with their fraction of copy bandwidth, and
 what the fused RMSNorm and silu * mul prologues cost; writes everything to tune_linear.json.
-pick_config in kernels/linear_triton.py is to be set from these runs.
+pick_config's table (kernels/tuning.py, LinearTuning) is to be set from these runs.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from graphexec.kernels import linear_triton as lt  # noqa: E402
 from graphexec.kernels import linear_invariant_triton as li  # noqa: E402
 from graphexec.kernels import norm_rope_triton as nr  # noqa: E402
+from graphexec.kernels.tuning import DEFAULT  # noqa: E402
 
 SHAPES = {  # name -> (hidden, q+2kv, intermediate, vocab)
     "llama-1b": (2048, 3072, 8192, 128256),
@@ -150,7 +151,7 @@ def main() -> None:
                     row["separate_norm_us"] = time_graph(
                         lambda i: lt.linear(nr.add_rms_norm(x, r, nw, 1e-5)[0], ws[i]),
                         copies) * 1e6
-                    if m <= lt.FUSE_MAX_ROWS:
+                    if m <= DEFAULT.linear.fuse_max_rows:
                         # The fused prologue re-reads the rows in every program, so its best
                         # config may differ from the plain projection's (larger BLOCK_N).
                         fused = []

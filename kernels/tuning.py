@@ -1,0 +1,184 @@
+"""Every tunable of the kernel layer in one typed table: row limits that pick a kernel, split
+counts, tile sizes, L2 prefetch sizes. `tuning_for(device)` gives the table for a GPU; the code
+that picks the op set (kernels.select_ops) hands it on, and no other module in kernels/ holds a
+tunable constant. docs/architecture.md gives the measurements behind the values."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One launch of the projection kernel (kernels/linear_triton.py)."""
+    block_m: int  # 1: CUDA-core dot products (M == 1 only); >= 16: tensor-core tl.dot
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        pow2 = lambda v: v >= 1 and v & (v - 1) == 0
+        dims = (self.block_m, self.block_n, self.block_k)
+        if not all(pow2(v) for v in dims) or (self.block_m > 1 and min(dims) < 16):
+            raise ValueError(f"LinearConfig blocks must be powers of two, and at least 16 for "
+                             f"tensor-core dots (block_m > 1); got {dims}")
+        if self.split_k < 1:
+            raise ValueError(f"LinearConfig split_k must be >= 1, got {self.split_k}")
+
+
+@dataclass(frozen=True)
+class L2Prefetch:
+    """Bytes of the next projection's weight a Triton projection warms in L2
+    (kernels/l2_prefetch.py), by the kind of projection that asks; "one_row": every projection
+    of a one-row batch. Past a few MiB the hints crowd out the kernels' own loads."""
+    qkv: int = 3 << 20
+    o: int = 3 << 20
+    gate_up: int = 3 << 20
+    down: int = 3 << 20
+    one_row: int = 4 << 20
+
+    def bytes_for(self, kind: str) -> int:
+        return getattr(self, kind, 0)
+
+
+@dataclass(frozen=True)
+class LinearTuning:
+    """The projections (kernels/linear*.py, kernels/triton_ops.py)."""
+    # Row limits that pick who runs a projection.
+    max_rows: int = 64  # the small-M kernels' limit: above it the step is a GEMM (cuBLAS)
+    # Prologue fusion (norm, silu * mul) pays only for one row: above, every program re-reads
+    # the rows.
+    fuse_max_rows: int = 1
+    auto_max_rows: int = 1  # projections="auto": Triton for batches up to this many rows
+    # The epilogue-fused projections (residual add, silu * mul, the next norm begun) for
+    # batches of fused_min_rows..fused_max_rows rows.
+    fused_min_rows: int = 33
+    fused_max_rows: int = 64
+    # The widest weights (the LM head of every preset) stay on Triton, after the separate norm
+    # kernel, up to wide_max_rows rows (a batch-1 speculative verify has K + 1 <= 9 rows).
+    wide_weight_rows: int = 65536
+    wide_max_rows: int = 16
+    # A fused batch's qkv projection on Triton (not cuBLAS) for weights of up to this many
+    # elements, so the attention after it may fetch its first KV tile before its PDL wait; a
+    # tensor-parallel rank's qkv, whose input the all-reduce normed, up to rank_qkv_max_elements.
+    fused_qkv_max_elements: int = 8 << 20
+    rank_qkv_max_elements: int = 16 << 20
+    l2_prefetch: L2Prefetch = field(default_factory=L2Prefetch)
+    # pick_config: one row on CUDA cores, 8 columns x 1024-wide K steps, but 4 x 2048 for a K of
+    # one_row_long_k or more (the down projections), where 1024-wide steps doubled each
+    # program's serial walk; with the norm fused in, one_row_norm.
+    one_row: LinearConfig = LinearConfig(1, 8, 1024)
+    one_row_long: LinearConfig = LinearConfig(1, 4, 2048)
+    one_row_long_k: int = 8192
+    one_row_norm: LinearConfig = LinearConfig(1, 8, 1024)
+    # pick_config above one row: tensor-core tiles; wide N tiles for weights of wide_n+ rows;
+    # K split (when longer than N) until there are split_programs programs.
+    wide_n: int = 16384
+    split_programs: int = 256
+    split_sum_block: int = 1024  # columns per program of the split-K sum kernel
+    # pick_fused_config: the epilogue-fused projections' tiles at 33-64 rows.
+    fused_gate_up: LinearConfig = LinearConfig(64, 32, 64, 1, num_warps=4, num_stages=5)
+    fused_lm_head: LinearConfig = LinearConfig(64, 128, 128, 1, num_warps=4, num_stages=3)
+    fused_qkv_programs: int = 96  # qkv: columns per program for about this many programs
+    fused_add_programs: int = 128  # o and down (residual epilogue): the same
+    # invariant_config: one tile per weight shape whatever the row count (batch_invariant).
+    invariant_block_n: int = 32
+    invariant_block_k: int = 128
+    invariant_split_programs: int = 264
+
+
+@dataclass(frozen=True)
+class CollectiveTuning:
+    """The tensor-parallel all-reduce and gather (kernels/all_reduce_triton.py,
+    kernels/gather_triton.py, graphexec/parallel/symmetric.py)."""
+    # Above this message size at two ranks (half at four, ...) an all-reduce goes to NCCL: the
+    # one-shot kernel sends the whole message to each peer, cheap for small ones only.
+    one_shot_bytes_at_size_2: int = 4 << 20
+    # A rank's landing zone for the LM head's gather holds a box this large per rank: a 64-row
+    # bf16 slice of up to 131,072 columns.
+    gather_box_bytes: int = 16 << 20
+    # The all-reduce kernel: 4-byte words a program sends (2 KiB of data, four words a thread
+    # at four warps), and its warps.
+    all_reduce_block: int = 512
+    all_reduce_warps: int = 4
+    # The fused all-reduce + norm: a row's words over 4-16 warps, this many words a thread.
+    norm_words_per_thread: int = 8
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """Decode and prefill attention (kernels/attention_decode_triton.py,
+    attention_prefill_triton.py, attention_merge_triton.py)."""
+    # Flash-decoding's split count: enough programs to fill the GPU split_waves times over (two
+    # splits a row where one filled it already lost at tensor_parallel_size 2), at most
+    # max_splits a row, and no split of fewer than min_tiles_per_split key tiles.
+    split_waves: int = 1
+    max_splits: int = 64
+    min_tiles_per_split: int = 1
+    # Decode keys per tile: decode_block_n, or decode_narrow_block_n for head dims over
+    # large_head_dim and, for head dims up to small_head_dim, batches of at most
+    # short_tile_max_rows rows (a short batch gets twice the splits, each its prefetched tile).
+    decode_block_n: int = 64
+    decode_narrow_block_n: int = 32
+    short_tile_max_rows: int = 4
+    small_head_dim: int = 64
+    large_head_dim: int = 128
+    # Decode warps: decode_small_head_warps for head dims up to small_head_dim below
+    # four_warps_min_rows rows (always, for the batch-invariant kernels), else decode_warps.
+    decode_warps: int = 4
+    decode_small_head_warps: int = 2
+    four_warps_min_rows: int = 33
+    decode_stages: int = 3
+    # Up to this many rows the fused rope + attention loads its first KV tile before its PDL
+    # wait, overlapping the qkv projection's tail (which only a Triton projection lets it do).
+    prefetch_max_rows: int = 4
+    # The split merge holds [heads, splits, head dim] fp32 partials of this many elements at once.
+    merge_elements: int = 4096
+    # Batch-invariant kernels: splits a row from the block table's width alone, and query
+    # tokens per decode launch of the invariant prefill (bounds the split workspaces).
+    invariant_splits: int = 16
+    invariant_prefill_chunk: int = 512
+    # Prefill: query rows per tile (fewer, a power of two from 16, for a smaller batch), keys
+    # per tile (prefill_narrow_block_n for fp32 dots and head dims over large_head_dim).
+    prefill_block_m: int = 64
+    prefill_block_n: int = 64
+    prefill_narrow_block_n: int = 32
+    prefill_warps: int = 4
+    prefill_stages: int = 2
+
+
+@dataclass(frozen=True)
+class SamplingTuning:
+    """Sampling and argmax (kernels/sampling_triton.py). Any values give the same tokens (the
+    tests shrink them to send rows down every path): they set how much of a row a program takes
+    and how large a candidate set the exact sort handles before the radix fallback."""
+    chunk: int = 2048  # kernel 1 (and argmax): entries of a row per program
+    sub: int = 256  # kernel 1: a sub-chunk ("unit") gives top_r entries to the table
+    top_r: int = 1
+    cap: int = 2048  # candidates kernel 2 sorts in registers
+    small_cap: int = 256  # a smaller sort for the usual case (top-k in the tens)
+    scan_block: int = 256  # kernel 2: width of a unit re-read
+    fb_block: int = 2048  # kernel 2: width of the fallback's passes ([fb_block, 2**bits])
+    fb_radix_bits: int = 2  # bits of the threshold the fallback settles per pass over the row
+    chunk_warps: int = 4
+    select_warps: int = 16  # kernel 2: more warps hide the fallback passes' latency
+
+
+@dataclass(frozen=True)
+class Tuning:
+    linear: LinearTuning = field(default_factory=LinearTuning)
+    collective: CollectiveTuning = field(default_factory=CollectiveTuning)
+    attention: AttentionTuning = field(default_factory=AttentionTuning)
+    sampling: SamplingTuning = field(default_factory=SamplingTuning)
+
+
+# The values were measured on H100 and H200; other GPUs take them as they are.
+DEFAULT = Tuning()
+
+
+def tuning_for(device: torch.device) -> Tuning:
+    """The table for `device`."""
+    return DEFAULT
