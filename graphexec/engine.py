@@ -36,6 +36,7 @@ from .text.tokenizer import load_tokenizer
 class _InFlight:
     plan: Plan
     launched: Launched
+    rows: list[tuple[Request, int, int]]  # (request, fewest, most tokens the step emits for it)
 
 
 @dataclass
@@ -285,19 +286,14 @@ class Engine:
         self._waits_seen = waits
         self.stats.batch_size_sum += len(plan.rows)
         launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant)
-        for req, pre in zip(plan.prefill_requests, plan.prefills):
-            req.in_flight += 1
-            req.advance_bound += pre.samples
-            req.advance_floor += pre.samples
-            req.last_launched_step = plan.step_id  # a prompt's blocks are written from here
-        # A mixed step (prompt chunks beside the decode rows) gives the rows its chunks join
-        # their first token only: they decode from the next step on.
-        for req in plan.rows[:launched.num_decode]:
-            req.in_flight += 1
-            req.advance_bound += self.runner.k + 1
-            req.advance_floor += 1
-            req.last_launched_step = plan.step_id
-        self.in_flight.append(_InFlight(plan, launched))
+        # Each request the step runs, with the fewest and most tokens it emits for it: the
+        # prompt chunks (one token for a prompt's last), then the decode rows. A mixed step gives
+        # the rows its chunks join their first token only: they decode from the next step on.
+        rows = [(r, c.samples, c.samples) for r, c in zip(plan.prefill_requests, plan.prefills)]
+        rows += [(r, 1, self.runner.k + 1) for r in plan.rows[:launched.num_decode]]
+        for req, fewest, most in rows:
+            req.launched(plan.step_id, fewest, most)
+        self.in_flight.append(_InFlight(plan, launched, rows))
         self._step_id += 1
         self.stats.steps += 1
 
@@ -309,26 +305,13 @@ class Engine:
             [r.params.logprobs for r in plan.prefill_requests],
             [r.params.logprobs for r in plan.rows]))
         touched = []
-        pairs = [(r, e, p.samples, p.samples) for r, e, p in
-                 zip(plan.prefill_requests, res.prefill, plan.prefills)]
-        pairs += [(r, e, self.runner.k + 1, 1)
-                  for r, e in zip(plan.rows[:step.launched.num_decode], res.decode)]
-        for req, emitted, bound, floor in pairs:
-            req.in_flight -= 1
-            req.advance_bound -= bound
-            req.advance_floor -= floor
-            if bound > 1:  # a speculative step: K drafted, count - 1 accepted
-                req.num_drafted += bound - 1
-                req.num_accepted += len(emitted) - 1
-            if req.finished or not emitted:  # a prompt chunk that ends no prompt emits nothing
-                continue
-            for token, logprob in emitted:
-                req.append(token, logprob)
-                self.stats.tokens += 1
-                if req.finished:  # tokens after a stop in an accepted run are dropped
+        for (req, fewest, most), emitted in zip(step.rows, res.prefill + res.decode):
+            n = req.reconciled(fewest, most, [t for t, _ in emitted], [lp for _, lp in emitted])
+            if n:
+                self.stats.tokens += n
+                touched.append(req)
+                if req.finished:
                     self.scheduler.release(req)
-                    break
-            touched.append(req)
         self.scheduler.retire(plan.step_id)
         return touched
 

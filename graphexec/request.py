@@ -42,7 +42,6 @@ class Request:
     num_accepted: int = 0
     last_launched_step: int = -1
     new_tokens: list[int] = field(default_factory=list)  # added since the last output
-    num_evictions: int = 0
     # Set at admission: the tokens whose KV the prefill writes (prompt + output[:-1]), and how
     # many of them the chunks launched so far cover.
     prefill_ids: list[int] = field(default_factory=list)
@@ -76,6 +75,33 @@ class Request:
 
     def _reaches_length(self, more: int) -> bool:
         return len(self.output) + more >= self.output_limit
+
+    def launched(self, step_id: int, fewest: int, most: int) -> None:
+        """A step that emits between `fewest` and `most` tokens for this request (and advances
+        its position by at most `most`) was launched."""
+        self.in_flight += 1
+        self.advance_floor += fewest
+        self.advance_bound += most
+        self.last_launched_step = step_id  # its blocks are written until this step retires
+
+    def reconciled(self, fewest: int, most: int, tokens: list[int],
+                   logprobs: list[TokenLogprob | None] | None) -> int:
+        """The results of a step launched with `launched(_, fewest, most)`: appends its tokens
+        until one ends the request. Returns how many it appended; none once the request had
+        finished (a row that ended earlier still ran in the steps launched before the host knew)."""
+        self.in_flight -= 1
+        self.advance_floor -= fewest
+        self.advance_bound -= most
+        if most > 1:  # a speculative step: K drafted, count - 1 accepted
+            self.num_drafted += most - 1
+            self.num_accepted += len(tokens) - 1
+        if self.finished:
+            return 0
+        for i, token in enumerate(tokens):
+            self.append(token, logprobs[i] if logprobs is not None else None)
+            if self.finished:  # tokens after a stop in an accepted run are dropped
+                return i + 1
+        return len(tokens)
 
     def append(self, token: int, logprob: TokenLogprob | None) -> None:
         """Adds one sampled token and decides whether the request is done."""
