@@ -4,7 +4,7 @@ all in one memory pool.
 Each decode graph is the whole decode iteration (forward, sample, advance) over DecodeState's
 static buffers, so replaying it needs no host input: the host only changes the buffers (through a
 StepDelta) when the batch changes. Each prefill-bucket graph is what the runner runs for a step
-with prompt chunks (ModelRunner.prefill_padding: capture/mixed.py's mixed_step, without decode
+with prompt chunks (ModelRunner.padded_mixed_step: capture/mixed.py's mixed_step, without decode
 rows for a speculative runner) over a static metadata buffer that
 the host fills with one H2D copy before the replay.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -34,8 +33,6 @@ class GraphSet:
     graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = field(default_factory=dict)
     reports: list[BucketReport] = field(default_factory=list)
     pool: object = None
-    # called after every decode replay: the runner's ResultMailbox counts the iterations
-    after_replay: Callable[[], None] | None = None
     # (token bucket, logprobs) -> (graph, its sample outputs)
     prefill: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
         default_factory=dict)
@@ -45,8 +42,6 @@ class GraphSet:
 
     def replay(self, bucket: int, variant: Variant) -> None:
         self.graphs[(bucket, variant)].replay()
-        if self.after_replay is not None:
-            self.after_replay()
 
     def replay_prefill(self, tokens: int, with_logprobs: bool) -> SampleOut:
         graph, out = self.prefill[(tokens, with_logprobs)]
@@ -62,11 +57,9 @@ class GraphSet:
         the output buffers."""
         if runner.num_rows != 0:
             raise RuntimeError("graphs must be captured on an empty batch")
-        mailbox = getattr(runner, "mailbox", None)
-        out = cls(pool=torch.cuda.graph_pool_handle(),
-                  after_replay=mailbox.ran if mailbox is not None else None)
+        out = cls(pool=torch.cuda.graph_pool_handle())
         with_lp = sorted({v.logprobs for v in variants})
-        todo = [(("prefill", t, lp), lambda t=t, lp=lp: runner.prefill_padding(t, lp))
+        todo = [(("prefill", t, lp), lambda t=t, lp=lp: runner.padded_mixed_step(t, lp))
                 for t in sorted(token_buckets, reverse=True) for lp in with_lp]
         todo += [((b, v), lambda b=b, v=v: runner.iterate(b, v))
                  for b in sorted(buckets, reverse=True) for v in variants]
@@ -92,6 +85,7 @@ class GraphSet:
             out._capture_all(todo, bar)
         finally:
             gc.enable()
+        runner.results.reset()  # the warm-ups published: the first launch takes slot 0 again
         if bar is not None:
             bar.close()
         return out

@@ -1,9 +1,9 @@
-"""Pinned host staging for host<->device copies that never stall the stream and never race.
+"""Pinned host staging for host-to-device copies that never stall the stream and never race.
 
 A non-blocking H2D copy reads its pinned source when the stream gets to it, not when it is
 enqueued. Rewriting the source before then corrupts the copy (the race of vLLM #24799). So
 sources come from a ring of slots, and a slot is rewritten only after the event recorded behind
-its last copy has fired. The same holds for D2H: the host reads a slot only after its event.
+its last copy has fired. The way back, device to host, is capture/results.py.
 """
 from __future__ import annotations
 
@@ -103,45 +103,3 @@ class H2DRing:
             slot.event = torch.cuda.Event()
         slot.event.record()
         self.stats.copies += 1
-
-    def slot_buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pinned buffers of slot i (tests inspect and rewrite them)."""
-        return self._slots[i].ints, self._slots[i].floats
-
-
-class ResultMailbox:
-    """Where the GPU leaves each decode iteration's packed results (tokens and counts) for the
-    host: a ring of slots in pinned host memory, written by the iteration's last kernel
-    (kernels/publish_triton.py), so no D2H copy sits between two graph replays.
-
-    The slot is picked on the device by a counter the kernel advances, since a replayed graph
-    takes no host input. The host keeps a mirror of that counter: it adds one for every run of
-    the kernel, eager or replayed, but not for a capture, which runs nothing. Whoever runs an
-    iteration must call `ran()` once after it (ModelRunner.iterate and GraphSet.replay do, and
-    ModelRunner's mixed steps, eager or replayed).
-
-    A slot is rewritten R iterations later; the host reads each one an iteration after it was
-    launched (reconcile is one step behind), so with R >= 3 it reads before the GPU rewrites.
-    Visibility: the host reads a slot only after the event recorded behind its launch fired,
-    and a kernel's stores to mapped host memory are visible once a later event completes."""
-
-    def __init__(self, rows: int, width: int, device: torch.device, num_slots: int = 4):
-        if num_slots < 3:
-            raise ValueError(f"ResultMailbox needs num_slots >= 3, got num_slots={num_slots}")
-        self.ring = torch.zeros(num_slots, rows, width, dtype=torch.int64, pin_memory=True)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self.launched = 0  # the host's mirror of `counter`
-
-    def publish(self, packed: torch.Tensor) -> None:
-        """Enqueues the copy of packed ([n, width] on the device) into the next slot."""
-        from ..kernels.publish_triton import publish
-
-        publish(packed, self.ring, self.counter)
-
-    def ran(self) -> None:
-        if not torch.cuda.is_current_stream_capturing():
-            self.launched += 1
-
-    def next_slot(self) -> int:
-        """The slot the next iteration writes."""
-        return self.launched % self.ring.shape[0]

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from .block_pool import BlockPool
+from .capture.results import ResultRows
 from .config import EngineConfig
 from .model import resolve_model
 from .model.loader import read_model_config
-from .outputs import RequestOutput
+from .outputs import RequestOutput, TokenLogprob
 from .parallel import build_ranks
 from .plan import Plan
 from .request import Request, Status
@@ -299,14 +300,18 @@ class Engine:
 
     def _reconcile(self, step: _InFlight) -> list[Request]:
         """Reads step's tokens and applies them. A row that finished earlier also ran in this
-        step (it was launched before the host knew): its token is dropped here."""
+        step (it was launched before the host knew): its tokens are dropped here."""
         plan = step.plan
-        res = self.runner.fetch(step.launched, top_n=(
-            [r.params.logprobs for r in plan.prefill_requests],
-            [r.params.logprobs for r in plan.rows]))
+        res = self.runner.fetch(step.launched)
+        chunks = len(plan.prefills)  # their rows come first, then the decode rows'
+        wants = [req.params.logprobs for req, _, _ in step.rows]
+        emitted = (_row_tokens(res.prefill, [c.samples for c in plan.prefills], wants[:chunks],
+                               res.with_logprobs)
+                   + _row_tokens(res.decode, res.decode.counts.tolist(), wants[chunks:],
+                                 res.with_logprobs))
         touched = []
-        for (req, fewest, most), emitted in zip(step.rows, res.prefill + res.decode):
-            n = req.reconciled(fewest, most, [t for t, _ in emitted], [lp for _, lp in emitted])
+        for (req, fewest, most), (tokens, logprobs) in zip(step.rows, emitted):
+            n = req.reconciled(fewest, most, tokens, logprobs)
             if n:
                 self.stats.tokens += n
                 touched.append(req)
@@ -314,6 +319,23 @@ class Engine:
                     self.scheduler.release(req)
         self.scheduler.retire(plan.step_id)
         return touched
+
+
+def _row_tokens(rows: ResultRows, counts: list[int], wants: list[int | None],
+                with_logprobs: bool) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+    """Each row's tokens (the first counts[i]), and their TokenLogprobs with the top wants[i]
+    alternatives where the request asked for logprobs."""
+    toks = rows.tokens.tolist()
+    if not with_logprobs or all(w is None for w in wants):
+        return [(t[:c], None) for t, c in zip(toks, counts)]
+    width = max(w for w in wants if w is not None)
+    lp = rows.logprob.tolist()
+    top_lp = rows.top_logprobs[:, :, :width].tolist()
+    top_ids = rows.top_ids[:, :, :width].tolist()
+    return [(toks[i][:c], None if w is None else [
+                TokenLogprob(toks[i][j], lp[i][j], dict(zip(top_ids[i][j][:w], top_lp[i][j][:w])))
+                for j in range(c)])
+            for i, (c, w) in enumerate(zip(counts, wants))]
 
 
 def _apply_manifest(cfg: EngineConfig) -> None:

@@ -187,10 +187,13 @@ def test_async_equals_sync_mixed_batch():
     reqs = _mixed_requests(20, seed=5)
     sync = run_engine(Engine("tiny", max_batch=8, num_kv_blocks=256, async_scheduling=False),
                       reqs)
-    asyn = run_engine(Engine("tiny", max_batch=8, num_kv_blocks=256, async_scheduling=True),
-                      reqs)
+    engine = Engine("tiny", max_batch=8, num_kv_blocks=256, async_scheduling=True)
+    asyn = run_engine(engine, reqs)
     _same(sync, asyn)
     assert sum(len(o.token_ids) for o in sync.values()) > 100
+    # every launch took one result slot and published into the one the counter pointed at
+    ring = engine.runner.results
+    assert int(ring.counter) == ring.launched == engine.stats.steps
 
 
 def test_eviction_under_kv_pressure_gives_the_same_tokens():

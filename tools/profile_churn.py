@@ -53,7 +53,7 @@ def profile(engine, workload) -> dict:
     # before its iteration: timed apart, the "prefill" kind.
     mixed = engine.runner.mixed
     if cuda and not mixed:
-        inner_prefill = engine.runner._prefill
+        inner_prefill = engine.runner._mixed_step
 
         def prefill(*a, **kw):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +62,7 @@ def profile(engine, workload) -> dict:
             e.record()
             prefill_events.append((s, e))
             return out
-        engine.runner._prefill = prefill
+        engine.runner._mixed_step = prefill
     if cuda:
         engine.runner.timeline = []
     inner_step = engine.step
