@@ -37,7 +37,6 @@ class _Slot:
 
 @dataclass
 class RingStats:
-    copies: int = 0
     waits: int = 0  # times a slot was still in flight when needed (should stay 0)
 
 
@@ -102,4 +101,3 @@ class H2DRing:
         if slot.event is None:
             slot.event = torch.cuda.Event()
         slot.event.record()
-        self.stats.copies += 1
