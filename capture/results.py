@@ -74,17 +74,18 @@ class ResultRing:
                                  arrays=tuple(b[i].numpy() for b in bufs))
                       for i in range(num_slots)]
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # the slot to publish
+        if self.cuda:
+            from ..kernels.publish_triton import publish
+        else:  # the reference: the same stores, by torch ops
+            from ..kernels.publish import publish_ref as publish
+        self._publish = publish
         self.launched = 0  # slots taken: the host's count of the device counter
         self.waits = 0  # times a slot's last step was still running when taken again (stays 0)
 
     def publish(self, packed: torch.Tensor) -> None:
         """Enqueues the store of the decode rows' packed results ([n, W + 1] on the device) into
         the slot the device counter points at, and advances the counter."""
-        if self.cuda:
-            from ..kernels.publish_triton import publish
-        else:
-            from ..kernels.publish import publish_ref as publish
-        publish(packed, self.packed, self.counter)
+        self._publish(packed, self.packed, self.counter)
 
     def take(self) -> int:
         """The slot of the step being launched: the one place a slot changes hands."""
