@@ -6,8 +6,8 @@ evicting, under KV pressure: see _make_room), (3) resumes paused rows, and (4) s
 token budget (max_num_batched_tokens, less one token per decode row) on prompt chunks: first the
 prompts already begun, then waiting requests in arrival order while rows and blocks allow. A
 prompt longer than the budget is prefilled over several steps while the decode rows go on; on its
-last chunk it samples its first token and joins the batch. The result is a StepDelta for the
-device plus the prefill chunks to run.
+last chunk it samples its first token and joins the batch. The result is a Plan
+(graphexec/plan.py): a StepDelta for the device, the prefill chunks to run and the rows at launch.
 """
 from __future__ import annotations
 
