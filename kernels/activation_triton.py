@@ -36,7 +36,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     block = min(2048, triton.next_power_of_2(i))
-    dependent = pdl.enabled(gate_up, projection=False)
+    dependent = pdl.enabled(gate_up)
     _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0),
                                                  out.stride(0), BLOCK=block, PDL=dependent,
                                                  num_warps=4, launch_pdl=dependent)

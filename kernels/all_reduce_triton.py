@@ -330,7 +330,7 @@ def all_reduce(x: torch.Tensor, areas: PeerAreas, slot: int,
     out = torch.empty_like(x)
     n_words = x.numel() * x.element_size() // 4
     source_words = areas.max_words
-    dependent = pdl.enabled(x, projection=False)
+    dependent = pdl.enabled(x)
     block, warps = t.all_reduce_block, t.all_reduce_warps
     _all_reduce_kernel[(triton.cdiv(n_words, block),)](
         _words(x), _words(out), areas.area_ptrs, n_words,
@@ -377,7 +377,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     block = triton.next_power_of_2(row_words)
     warps = max(4, min(16, block // (32 * t.norm_words_per_thread)))
     normed, summed = torch.empty_like(x), torch.empty_like(x)
-    dependent = pdl.enabled(x, projection=False)
+    dependent = pdl.enabled(x)
     _all_reduce_add_rms_norm_kernel[(rows,)](
         _words(x), _words(residual), _words(weight), _words(normed), _words(summed),
         areas.area_ptrs, row_words, d, float(eps), slot * areas.world * areas.max_words,

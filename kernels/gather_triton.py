@@ -142,7 +142,7 @@ def wait_and_place(landing: Landing, full: torch.Tensor, programs: int,
     (land_tile) and stored this rank's columns of full ([rows, world * n]): waits for the
     peers' tiles, then copies each peer's slice from its box into its columns."""
     rows, n = full.shape[0], full.shape[1] // landing.world
-    dependent = pdl.enabled(full, projection=False)
+    dependent = pdl.enabled(full)
     _wait_kernel[(1,)](landing.counter_ptrs, landing.waited, programs * (landing.world - 1),
                        int(timeout_s * 1e9), RANK=landing.rank, TIMED=not _INTERPRET,
                        THREADS=WAIT_THREADS,

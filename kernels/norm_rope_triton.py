@@ -98,7 +98,7 @@ def _norm_launch(x, residual, weight, eps):
     rows = max(1, min(64, 4096 // block_d))
     num_warps = 8 if block_d >= 4096 else 4
     grid = (triton.cdiv(n_rows, rows),)
-    dependent = pdl.enabled(x, projection=False)
+    dependent = pdl.enabled(x)
     _rms_norm_kernel[grid](xv, rv, w, out, summed if summed is not None else out,
                            n_rows, inner, d, float(eps), sx0, sx1, sr0, sr1,
                            HAS_RES=residual is not None, ROWS=rows, BLOCK_D=block_d,
@@ -258,7 +258,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     cap = max(1, 4096 // block_half)
     block_hq = min(triton.next_power_of_2(hq), cap)
     block_hk = min(triton.next_power_of_2(hk), cap)
-    dependent = pdl.enabled(q, projection=False)
+    dependent = pdl.enabled(q)
     _rope_write_kv_kernel[(t,)](
         q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, hq, hk, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

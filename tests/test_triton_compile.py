@@ -128,10 +128,10 @@ def test_projection_kernels_compile_and_stream_weights(compiled):
               prefetch=_bf16(h, h), prefetch_bytes=2 << 20)
     li.norm_linear_invariant(_bf16(80, h), _bf16(80, h), _bf16(h), 1e-5, _bf16(h, h))
     names = {name for name, _ in compiled}
-    assert {"_linear_kernel", "_split_sum_kernel"} <= names, names
+    assert {"_linear_kernel", "_linear_add_kernel", "_split_sum_kernel"} <= names, names
     prefetching = 0
     for name, kernel in compiled:
-        if name == "_linear_kernel":
+        if name.startswith("_linear"):  # the plain, residual and send epilogues alike
             fast, scalar = _weight_loads(kernel)
             consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
             # A bias of BLOCK_N = 2 elements may load as scalars; weights as scalars would be
@@ -188,18 +188,20 @@ def test_other_kernels_wait_first_with_programmatic_dependent_launch(compiled, m
     any global store, and before any load but the fused attention's
     prefetch (kernels/attention_decode_triton.py, PREFETCH)."""
     from graphexec.kernels import pdl
+    from graphexec.kernels.activation_triton import silu_mul
+    from graphexec.kernels.norm_rope_triton import add_rms_norm
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
     from graphexec.kernels.attention_decode_triton import decode_attention_splits
 
     monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     t, hq, hk, d, bs, nb = 4, 32, 8, 128, 16, 64
     ops.rms_norm(_bf16(t, 2048), _bf16(2048), 1e-5)
-    ops.add_rms_norm(_bf16(t, 2048), _bf16(t, 2048), _bf16(2048), 1e-5)
+    add_rms_norm(_bf16(t, 2048), _bf16(t, 2048), _bf16(2048), 1e-5)
     q, k, v = _bf16(t, hq, d), _bf16(t, hk, d), _bf16(t, hk, d)
     cos, sin = torch.randn(64, d // 2), torch.randn(64, d // 2)
     kc, vc = _bf16(nb, bs, hk, d), _bf16(nb, bs, hk, d)
     ops.rope_write_kv(q, k, v, torch.arange(t), cos, sin, kc, vc, torch.arange(t))
-    ops.silu_mul(_bf16(t, 2 * 8192))
+    silu_mul(_bf16(t, 2 * 8192))
     tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
     decode_attention_splits(q, kc, vc, tables, torch.full((t,), 100, dtype=torch.int32),
                             d ** -0.5, 4)
@@ -275,7 +277,7 @@ def test_fused_decode_attention_publishes_the_new_token_before_reading(compiled)
 
 
 def test_model_kernels_compile(compiled, monkeypatch):
-    from graphexec.kernels import rope
+    from graphexec.kernels import activation_triton, norm_rope_triton, rope, write_kv_triton
     from graphexec.kernels.triton_ops import TRITON_OPS as ops
     from graphexec.kernels.attention_decode_triton import (decode_attention_invariant,
                                                             decode_attention_splits)
@@ -284,7 +286,7 @@ def test_model_kernels_compile(compiled, monkeypatch):
     t, hq, hk, d, bs, nb = 6, 32, 8, 128, 16, 64
     x = _bf16(t, 2048)
     ops.rms_norm(x, _bf16(2048), 1e-5)
-    ops.add_rms_norm(x, _bf16(t, 2048), _bf16(2048), 1e-5)
+    norm_rope_triton.add_rms_norm(x, _bf16(t, 2048), _bf16(2048), 1e-5)
     ops.rms_norm(_bf16(t, hq, d), _bf16(d), 1e-5)  # qk-norm rows
     qkv = _bf16(t, (hq + 2 * hk) * d)
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -294,9 +296,9 @@ def test_model_kernels_compile(compiled, monkeypatch):
     kc, vc = _bf16(nb, bs, hk, d), _bf16(nb, bs, hk, d)
     slots = torch.arange(t)
     ops.rope_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
-    ops.apply_rope(q, k, pos, cos, sin)
-    ops.write_kv(kc, vc, k, v, slots)
-    ops.silu_mul(_bf16(t, 2 * 8192))
+    norm_rope_triton.apply_rope(q, k, pos, cos, sin)
+    write_kv_triton.write_kv(kc, vc, k, v, slots)
+    activation_triton.silu_mul(_bf16(t, 2 * 8192))
     tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
     lens = torch.full((t,), 100, dtype=torch.int32)
     qd = _bf16(t, hq, d)
@@ -391,7 +393,8 @@ def test_projections_push_whole_words_and_the_all_reduce_then_sends_none(compile
     lf.linear_partial(_bf16(64, 2048), _bf16(4096, 2048), push=ar.Push(areas, 0))
     lf.linear_partial(_bf16(64, 7168), _bf16(4096, 7168), push=ar.Push(areas, 1))
     names = [name for name, _ in compiled]
-    assert names == ["_linear_kernel", "_linear_kernel", "_split_sum_kernel"], names
+    # split K: the plain kernel writes the partials, the split-K sum pushes
+    assert names == ["_linear_send_kernel", "_linear_kernel", "_split_sum_kernel"], names
     for i in (0, 2):  # the kernels that hold the finished sums
         ptx = compiled[i][1].asm["ptx"]
         assert re.search(r"\bst\.global\.v2\.b64", ptx), names[i]
@@ -425,7 +428,7 @@ def test_the_lm_head_lands_its_tiles_and_releases_one_arrival_a_program(compiled
                          torch.zeros(1, dtype=torch.int64), 16 << 20)
     lf.linear_gathered(_bf16(64, 4096), _bf16(64128, 4096), landing)
     names = [name for name, _ in compiled]
-    assert names == ["_linear_kernel", "_wait_kernel"], names
+    assert names == ["_linear_send_kernel", "_wait_kernel"], names
     head, wait = (kernel.asm["ptx"] for _, kernel in compiled)
     # the local columns and the peer's box alike: 16-byte stores, no 2-byte ones
     assert len(re.findall(r"\bst\.global\.v4\.b32", head)) >= 2, "tiles in 16-byte stores"
