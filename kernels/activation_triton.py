@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .tuning import DEFAULT, ElementwiseTuning
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -27,7 +28,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr,
     tl.store(out_ptr + t * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor,
+             tuning: ElementwiseTuning = DEFAULT.elementwise) -> torch.Tensor:
     t, two_i = gate_up.shape
     i = two_i // 2
     out = _new((t, i), gate_up.dtype, gate_up.device)
@@ -35,9 +37,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
-    block = min(2048, triton.next_power_of_2(i))
+    block = min(tuning.silu_block, triton.next_power_of_2(i))
     dependent = pdl.enabled(gate_up)
     _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0),
                                                  out.stride(0), BLOCK=block, PDL=dependent,
-                                                 num_warps=4, launch_pdl=dependent)
+                                                 num_warps=tuning.warps,
+                                                 launch_pdl=dependent)
     return out

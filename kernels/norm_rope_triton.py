@@ -13,6 +13,9 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .tuning import DEFAULT, ElementwiseTuning
+
+_TUNING = DEFAULT.elementwise  # what a caller that passes no table gets
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -78,7 +81,7 @@ def _row_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return t, 1, t.stride(0), 0
 
 
-def _norm_launch(x, residual, weight, eps):
+def _norm_launch(x, residual, weight, eps, t: ElementwiseTuning):
     d = x.shape[-1]
     n_rows = x.numel() // d if d else 0
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -95,8 +98,8 @@ def _norm_launch(x, residual, weight, eps):
     block_d = triton.next_power_of_2(d)
     # Rows per program from the row width only: a row is then reduced the same way whatever
     # the batch (a batch-invariant norm; small batches just mask part of a tile).
-    rows = max(1, min(64, 4096 // block_d))
-    num_warps = 8 if block_d >= 4096 else 4
+    rows = max(1, min(t.norm_max_rows, t.tile_elements // block_d))
+    num_warps = t.norm_wide_warps if block_d >= t.norm_wide_d else t.warps
     grid = (triton.cdiv(n_rows, rows),)
     dependent = pdl.enabled(x)
     _rms_norm_kernel[grid](xv, rv, w, out, summed if summed is not None else out,
@@ -106,18 +109,20 @@ def _norm_launch(x, residual, weight, eps):
     return out, summed
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out, _ = _norm_launch(x, None, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             tuning: ElementwiseTuning = _TUNING) -> torch.Tensor:
+    out, _ = _norm_launch(x, None, weight, eps, tuning)
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, tuning: ElementwiseTuning = _TUNING
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if residual.shape != x.shape or residual.dtype != x.dtype:
         # Broadcasting / mixed dtypes: not a shape the model produces; keep the reference.
         from .rmsnorm import add_rms_norm_ref
         return add_rms_norm_ref(x, residual, weight, eps)
-    out, summed = _norm_launch(x, residual, weight, eps)
+    out, summed = _norm_launch(x, residual, weight, eps, tuning)
     return out, summed
 
 
@@ -179,7 +184,8 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               sin: torch.Tensor, tuning: ElementwiseTuning = _TUNING
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D], positions [T]; cos/sin [P, D/2] fp32. New tensors out."""
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -195,13 +201,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
         cos, sin = cos.contiguous(), sin.contiguous()
     half = d // 2
     block_half = triton.next_power_of_2(half)
-    cap = max(1, 4096 // block_half)
+    cap = max(1, tuning.tile_elements // block_half)
     block_hq = min(triton.next_power_of_2(hq), cap)
     block_hk = min(triton.next_power_of_2(hk), cap)
     _rope_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, hq, hk, half,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
                        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-                       num_warps=4)
+                       num_warps=tuning.warps)
     return q_out, k_out
 
 
@@ -237,7 +243,8 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  tuning: ElementwiseTuning = _TUNING) -> torch.Tensor:
     """apply_rope then write_kv in one launch: returns the rotated q; the rotated k and v go
     straight into their cache slots (no intermediate k tensor)."""
     from .write_kv_triton import _cache_ok
@@ -255,7 +262,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         cos, sin = cos.contiguous(), sin.contiguous()
     half = d // 2
     block_half = triton.next_power_of_2(half)
-    cap = max(1, 4096 // block_half)
+    cap = max(1, tuning.tile_elements // block_half)
     block_hq = min(triton.next_power_of_2(hq), cap)
     block_hk = min(triton.next_power_of_2(hk), cap)
     dependent = pdl.enabled(q)
@@ -264,5 +271,5 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
         v_cache.stride(2), BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_D=2 * block_half, PDL=dependent, num_warps=4, launch_pdl=dependent)
+        BLOCK_D=2 * block_half, PDL=dependent, num_warps=tuning.warps, launch_pdl=dependent)
     return q_out

@@ -69,9 +69,15 @@ TRITON_OPS = Ops(
 
 
 def tuned(ops: Ops, tuning: Tuning) -> Ops:
-    """ops with the attention and sampling kernels launched from `tuning`'s tables."""
-    a, s = tuning.attention, tuning.sampling
-    return replace(ops, decode_attention=partial(ops.decode_attention, tuning=a),
+    """ops with the attention, sampling, norm, rope and activation kernels launched from
+    `tuning`'s tables."""
+    a, s, e = tuning.attention, tuning.sampling, tuning.elementwise
+    return replace(ops, rms_norm=partial(ops.rms_norm, tuning=e),
+                   add_rms_norm=partial(ops.add_rms_norm, tuning=e),
+                   apply_rope=partial(ops.apply_rope, tuning=e),
+                   rope_write_kv=partial(ops.rope_write_kv, tuning=e),
+                   silu_mul=partial(ops.silu_mul, tuning=e),
+                   decode_attention=partial(ops.decode_attention, tuning=a),
                    prefill_attention=partial(ops.prefill_attention, tuning=a),
                    rope_decode_attention=partial(ops.rope_decode_attention, tuning=a),
                    sample=partial(ops.sample, tuning=s), argmax=partial(ops.argmax, tuning=s))

@@ -91,6 +91,23 @@ class LinearTuning:
 
 
 @dataclass(frozen=True)
+class ElementwiseTuning:
+    """RMSNorm, rotary embedding and silu * mul (kernels/norm_rope_triton.py,
+    kernels/activation_triton.py)."""
+    # A norm program holds tile_elements / (the padded row width) rows, at most norm_max_rows:
+    # rows per program from the row width only, so a row is reduced the same way whatever the
+    # batch (batch-invariant). Rows of norm_wide_d+ elements take norm_wide_warps warps.
+    tile_elements: int = 4096
+    norm_max_rows: int = 64
+    norm_wide_d: int = 4096
+    norm_wide_warps: int = 8
+    # Rotary embedding: heads a loop step rotates, up to tile_elements / (half the padded head
+    # dim); silu * mul: columns a program takes. The rest launch with `warps` warps.
+    silu_block: int = 2048
+    warps: int = 4
+
+
+@dataclass(frozen=True)
 class CollectiveTuning:
     """The tensor-parallel all-reduce and gather (kernels/all_reduce_triton.py,
     kernels/gather_triton.py, graphexec/parallel/symmetric.py)."""
@@ -171,6 +188,7 @@ class SamplingTuning:
 class Tuning:
     linear: LinearTuning = field(default_factory=LinearTuning)
     collective: CollectiveTuning = field(default_factory=CollectiveTuning)
+    elementwise: ElementwiseTuning = field(default_factory=ElementwiseTuning)
     attention: AttentionTuning = field(default_factory=AttentionTuning)
     sampling: SamplingTuning = field(default_factory=SamplingTuning)
 
