@@ -13,6 +13,9 @@ from .tuning import tuning_for
 
 @dataclass(frozen=True)
 class Ops:
+    """An op set: the kernels the model (through graphexec/model/layer_ops.py) and the captured
+    steps (capture/) call. REFERENCE_OPS below; the Triton sets come from
+    triton_ops.op_set, their projection policy from kernels/op_sets.py."""
     name: str
     rms_norm: Callable
     add_rms_norm: Callable
@@ -37,7 +40,7 @@ class Ops:
     # (h, residual), the stream being h + residual, or h alone when residual is None. Each is
     # told the weight of the norm that follows it (None after the last layer), whose work it
     # may begin: h is then the op set's own type (linear_fused_triton.Prenormed), which only its
-    # norm_linear and mlp read. None: the model composes linear, norm_linear and
+    # norm_linear and mlp read. None: LayerOps composes linear, norm_linear and
     # silu_mul_linear, leaving each add to the next norm.
     out_linear: Callable | None = None  # (x, weight, residual, next_norm_w) -> (h, residual)
     # (x, residual, norm_w, eps, gate_up, down, next_norm_w) -> (h, residual)
