@@ -4,7 +4,7 @@ of NCCL's "LL", low-latency, protocol).
 
 Each rank's o and down projections return a partial sum of a few kilobytes (a hidden state per
 row) that the ranks must add up before the next norm. NCCL's all-reduce of such a message is all
-protocol and no data (about 6.6 us on two H100s), and it launches as an ordinary kernel, so the
+protocol and no data, and it launches as an ordinary kernel, so the
 kernel after it cannot start early. This kernel launches as a programmatic dependent
 (kernels/pdl.py) and lets the next projection launch at once, so that projection fetches its
 first weight tiles during the exchange; and its only traffic over NVLink is stores, which need no
@@ -20,12 +20,9 @@ answer:
 
 An aligned store of whole 8-byte words reaches the peer whole (NCCL's LL protocol relies on the
 same, with volatile stores: see the kernel for why not here), so a word seen with its flag holds
-its data: no fence, no separate flag, no round trip. The price is
-twice the bytes on the link, which decode messages afford: on two H200s (llama-8b, 2026-11-26,
-docs/benchmarks.md "Tensor parallelism") the decode step took 2.626 ms at batch 1 and 3.447 ms at
-batch 64 against 2.760 / 3.552 with the kernel this one replaced (commit 9ae0fc1), which pulled:
-it raised a flag in each peer's memory with a compare-and-swap, whose answer must cross back,
-then read the peers' partials over NVLink, another round trip.
+its data: no fence, no separate flag, no round trip. The price is twice the bytes on the link,
+which decode messages afford; a pulling kernel (a compare-and-swap flag, then reads over NVLink:
+two round trips) was slower (docs/architecture.md, "Tensor parallelism").
 
 Slots: a rank may leave use k of the kernel while a peer still polls, so use k + 1 writes the
 other slot. Before a rank can write slot s again (use k + 2) it must have received the peer's
@@ -142,12 +139,9 @@ def push_words(words, offs, ok, area_ptrs, slot_words, source_words, RANK: tl.co
     for q in tl.static_range(WORLD):
         if q != RANK:
             # Boxes are 16-byte aligned (PeerAreas.box_words): two whole words to a store.
-            # Plain (weak) stores. NCCL's LL protocol uses volatile ones, the only kind the PTX
-            # memory model promises whole to a concurrent reader; here they made the
-            # all-reduce alone 1.9x slower at 512 KiB and 3.2x at 4 MiB, and the batch-64
-            # step 13% longer (two H200s, 2026-11-26, docs/benchmarks.md "Tensor
-            # parallelism"), while an aligned 16-byte store never tore in any test (every sum
-            # is checked bit for bit).
+            # Plain (weak) stores: volatile ones (NCCL's LL protocol) made the all-reduce
+            # several times slower, and an aligned 16-byte store never tore in any test (every
+            # sum is checked bit for bit).
             peer = tl.multiple_of(tl.load(area_ptrs + q).to(tl.pointer_type(tl.int64)), 16)
             tl.store(peer + slot_words + RANK * source_words + offs, packed, mask=ok)
 
@@ -234,10 +228,7 @@ def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, summed_pt
     offs = tl.program_id(0).to(tl.int64) * row_words + cols
     words = tl.load(x_ptr + offs, mask=ok, other=0)
     # the residual and the norm weight are loaded before the wait for the peers, so that their
-    # latency hides behind it: with that and one reduction of the squares (below) instead of
-    # two, llama-8b at tensor_parallel_size 2 took 3.913 / 3.912 ms a step at batch 64 against
-    # 3.967, 2.964 against 3.013 at batch 1 (two H100s, 2026-11-26, docs/benchmarks.md "Tensor
-    # parallelism", run 11)
+    # latency hides behind it
     residual = tl.load(res_ptr + offs, mask=ok, other=0)
     norm_weight = tl.load(w_ptr + cols, mask=ok, other=0)
     lo_sum, hi_sum = _exchange(words, area_ptrs, offs, ok, slot_words, source_words,

@@ -2,9 +2,7 @@
 
 Each rank's LM head computes the logits of its slice of the vocabulary, and sampling needs all
 of them on every rank. Through NCCL that is an all-gather after the LM head, then a copy that
-interleaves the ranks' slices row by row: about 0.065 ms of a llama-8b batch-64 step at size 2
-(16 MB of bf16 logits; two H100s, 2026-11-26, docs/benchmarks.md "Tensor parallelism", run 12).
-Here instead:
+interleaves the ranks' slices row by row. Here instead:
 
 - each program of the LM head stores its finished tile twice: into this rank's columns of the
   whole logits, and into this rank's box in every peer's landing zone (mapped symmetric
@@ -20,8 +18,8 @@ next wait's start), so a replayed graph needs no reset. A peer's tiles of step k
 before this rank has copied out those of step k: the peer computes its LM head of step k + 1
 only after this rank's all-reduces of step k + 1, which come after the copy on this rank's
 stream. That rests on every kernel launched as a programmatic dependent passing its PDL wait
-before it finishes (kernels/pdl.py), and on the copy being an ordinary launch. A wait that outlasts timeout_s traps, as the all-reduce's does
-(kernels/all_reduce_triton.py).
+before it finishes (kernels/pdl.py), and on the copy being an ordinary launch. A wait that
+outlasts timeout_s traps, as the all-reduce's does (kernels/all_reduce_triton.py).
 """
 from __future__ import annotations
 
