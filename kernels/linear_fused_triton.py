@@ -15,7 +15,7 @@ from . import Pushed
 from .activation_triton import silu_mul
 from .all_reduce_triton import Push
 from .gather_triton import Landing
-from .linear_triton import LinearConfig, _launch, _split_k, supported
+from .linear_triton import LinearConfig, _launch, _split_k, row_limit, supported
 from .norm_rope_triton import rms_norm
 from .tuning import DEFAULT, LinearTuning
 
@@ -48,7 +48,7 @@ def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | N
     """silu(gate) * up of x's projection by [gate | up]: the activation in the epilogue.
     prefetch, prefetch_bytes (here and below): that much of the next projection's weight is
     warmed in L2 (linear_triton._launch)."""
-    if not supported(x, gate_up, 1, max_rows=max_rows or t.max_rows) or gate_up.shape[0] % 2:
+    if not supported(x, gate_up, 1, max_rows=row_limit(max_rows, t)) or gate_up.shape[0] % 2:
         return silu_mul(F.linear(x, gate_up))
     return _launch(x, None, None, 0.0, gate_up, None,
                    config or pick_fused_config(x.shape[0], gate_up.shape[0] // 2,
@@ -65,7 +65,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     the attention output and MLP projections whose result joins the residual stream.
     next_norm: the weight of the RMSNorm after it; the result is then a Prenormed (torch's
     fallback, for operands the kernel does not take, returns the plain sum)."""
-    if (not supported(x, weight, 1, residual, next_norm, max_rows=max_rows or t.max_rows)
+    if (not supported(x, weight, 1, residual, next_norm, max_rows=row_limit(max_rows, t))
             or residual.shape != (x.shape[0], weight.shape[0])):
         return F.linear(x, weight) + residual
     out = _launch(x, None, None, 0.0, weight, None,
@@ -83,7 +83,7 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig |
     partial sum of o or down (the all-reduce after it adds the residual once). push: where
     the kernel runs and the output fits, it also sends the output to the peers (a Pushed
     comes back); torch's fallback does not."""
-    if not supported(x, weight, 1, max_rows=max_rows or t.max_rows):
+    if not supported(x, weight, 1, max_rows=row_limit(max_rows, t)):
         return F.linear(x, weight)
     if push is not None and not push.fits(x.shape[0], weight.shape[0], x.dtype):
         push = None
@@ -102,7 +102,7 @@ def linear_gathered(x: torch.Tensor, weight: torch.Tensor, gather: Landing,
     their LM heads (kernels/gather_triton.py). None where the kernel does not take x or the
     slice does not fit a box (the caller then gathers through NCCL)."""
     m, n = x.shape[0], weight.shape[0]
-    if (not supported(x, weight, 1, max_rows=max_rows or t.max_rows)
+    if (not supported(x, weight, 1, max_rows=row_limit(max_rows, t))
             or not gather.fits(m, n, x.dtype)):
         return None
     cfg = config or pick_fused_config(m, n, weight.shape[1], "lm_head", t)
@@ -121,7 +121,7 @@ def prenormed_linear(p: Prenormed, eps: float, weight: torch.Tensor,
     silu(gate) * up, as linear_silu."""
     m, k = p.g.shape
     n = weight.shape[0] // 2 if silu_out else weight.shape[0]
-    if not supported(p.g, weight, 1, bias, max_rows=max_rows or t.max_rows) or silu_out and (
+    if not supported(p.g, weight, 1, bias, max_rows=row_limit(max_rows, t)) or silu_out and (
             weight.shape[0] % 2 or bias is not None):
         out = F.linear(rms_norm(p.h, p.norm_weight, eps), weight, bias)
         return silu_mul(out) if silu_out else out

@@ -207,6 +207,11 @@ def _split_k(programs: int, want_programs: int, k: int, block_k: int) -> int:
     return split
 
 
+def row_limit(max_rows: int | None, t: LinearTuning) -> int:
+    """The most rows a wrapper sends to the kernel: max_rows, or else the table's."""
+    return t.max_rows if max_rows is None else max_rows
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor, width: int = 1,
               *others: torch.Tensor | None, max_rows: int | None = _TUNING.max_rows) -> bool:
     """Whether the kernel takes these operands. width: x's columns per weight column (2 for
@@ -337,7 +342,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            t: LinearTuning = _TUNING) -> torch.Tensor:
     """max_rows: above it cuBLAS (default t.max_rows; the "auto" projections pass theirs);
     prefetch: see _launch; t: the table (here and below)."""
-    if not supported(x, weight, 1, bias, max_rows=max_rows or t.max_rows):
+    if not supported(x, weight, 1, bias, max_rows=row_limit(max_rows, t)):
         return F.linear(x, weight, bias)
     return _launch(x, None, None, 0.0, weight, bias, config, prefetch=prefetch,
                    prefetch_bytes=prefetch_bytes, t=t)[0]
@@ -350,7 +355,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     """linear(silu(gate) * up): up to t.fuse_max_rows rows (or any given config) the
     activation runs in the down projection's prologue, saving a launch and the intermediate's
     round trip through memory; above, the activation kernel then linear()."""
-    if not supported(gate_up, weight, 2, bias, max_rows=max_rows or t.max_rows):
+    if not supported(gate_up, weight, 2, bias, max_rows=row_limit(max_rows, t)):
         return silu_mul_then_linear(gate_up, weight, bias)
     if config is None and gate_up.shape[0] > t.fuse_max_rows:
         return linear(silu_mul(gate_up), weight, bias, max_rows=max_rows, prefetch=prefetch,
@@ -390,7 +395,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     """One kernel up to t.fuse_max_rows rows (or any given config). Beyond that every program
     re-reading the rows for their mean square costs more than the separate norm launch it
     saves: the norm kernel, then linear()."""
-    if (not supported(x, weight, 1, bias, residual, norm_weight, max_rows=max_rows or t.max_rows)
+    if (not supported(x, weight, 1, bias, residual, norm_weight, max_rows=row_limit(max_rows, t))
             or (residual is not None and residual.shape != x.shape)):
         return norm_then_linear(x, residual, norm_weight, eps, weight, bias)
     if config is None and x.shape[0] > t.fuse_max_rows:
