@@ -88,6 +88,7 @@ def _logits_with_and_without_pushes(shard, device, models, prompts):
         seen["pushed"], seen["gathered"] = [], 0
         logits = _logits_as_arrays(shard, device, models, torch.bfloat16, prompts, "auto")
         runs.append((logits, seen["pushed"], seen["gathered"]))
+    reducer.push, reducer.gather = shipped["push"], shipped["gather"]
     return runs
 
 
