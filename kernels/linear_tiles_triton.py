@@ -104,12 +104,13 @@ def project(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, sum_ptr, ss_ptr, pf_ptr, M, N, K
     output tile in fp32 over its K split, with the prologue's input (x, silu(gate) * up, or
     the RMSNorm of x + residual), 1 / rms (ONE_PASS, ROW_SCALE), the bias and the silu
     epilogue applied; returns (acc, rm, rn, m_ok, n_ok, pid_n, pid_k, flat, out_mask) for the
-    caller's epilogue (flat: the tile's offsets in a dense [M, N] output). Row blocks vary fastest: the row blocks of one column block run together and
-    share its weight tile through L2 instead of each streaming it from HBM. SILU_OUT: the
-    weight is [gate | up] (2N rows) and the output silu(gate) * up, N wide; each program
-    streams the gate rows of its columns and the matching up rows, so the activation is an
-    epilogue (no program recomputes another's). ROW_SCALE: the input is a Prenormed's g, its
-    1 / rms from the producer's per-tile sums of squares in ss_ptr."""
+    caller's epilogue (flat: the tile's offsets in a dense [M, N] output). Row blocks vary
+    fastest: the row blocks of one column block run together and share its weight tile
+    through L2 instead of each streaming it from HBM. SILU_OUT: the weight is [gate | up] (2N
+    rows) and the output silu(gate) * up, N wide; each program streams the gate rows of its
+    columns and the matching up rows, so the activation is an epilogue (no program recomputes
+    another's). ROW_SCALE: the input is a Prenormed's g, its 1 / rms from the producer's
+    per-tile sums of squares in ss_ptr."""
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % m_blocks
     pid_n = tl.program_id(0) // m_blocks

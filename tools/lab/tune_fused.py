@@ -1,7 +1,7 @@
-"""Launch configs of the fused tensor-core projections (kernels/op_sets.py, FusedOps) on a GPU, against
-the unfused cuBLAS path they replace, on a model's layer shapes: every projection of 16 layers
-with their own weights (so nothing is served from L2) replayed from one CUDA graph, the way the
-decode step chains them.
+"""Launch configs of the fused tensor-core projections (kernels/op_sets.py, FusedOps) on a GPU,
+against the unfused cuBLAS path they replace, on a model's layer shapes: every projection of 16
+layers with their own weights (so nothing is served from L2) replayed from one CUDA graph, the
+way the decode step chains them.
 
     python tools/lab/tune_fused.py --model llama-1b --batches 16 64
     python tools/lab/tune_fused.py --model llama-8b --tp 2 --batches 64   # one rank's shapes
