@@ -17,6 +17,7 @@ pytest.importorskip("uvicorn")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 import bench_http  # noqa: E402
+import serve_process  # noqa: E402
 import bench_serve  # noqa: E402
 import httpx  # noqa: E402
 from bench_http import HttpTrace  # noqa: E402
@@ -108,7 +109,7 @@ def test_server_argv_carries_the_engine_options():
     opts = dict(async_scheduling=False, device="cpu", max_batch=8, num_kv_blocks=100,
                 max_num_batched_tokens=256, cuda_graphs=False, dtype="bf16",
                 speculative=SpeculativeConfig("self:2", 3), seed=None)
-    argv = bench_http.server_argv("tiny", opts, 1234, 300)
+    argv = serve_process.server_argv("tiny", opts, 1234, 300)
     text = " ".join(argv[1:])
     assert text.startswith("-m graphexec.serve --model tiny --host 127.0.0.1 --port 1234 "
                            "--max-queue 300")
@@ -117,20 +118,20 @@ def test_server_argv_carries_the_engine_options():
                   "--speculative-draft self:2 --num-speculative-tokens 3"):
         assert flags in text
     assert "--seed" not in text
-    assert "--sync" not in " ".join(bench_http.server_argv("tiny", dict(async_scheduling=True),
-                                                           1, 1))
-    assert bench_http.server_argv("tiny", dict(enable_prefix_caching=False), 1, 1)[-1] == "warning"
-    assert "--enable-prefix-caching" in bench_http.server_argv(
+    make_argv = serve_process.server_argv
+    assert "--sync" not in " ".join(make_argv("tiny", dict(async_scheduling=True), 1, 1))
+    assert make_argv("tiny", dict(enable_prefix_caching=False), 1, 1)[-1] == "warning"
+    assert "--enable-prefix-caching" in serve_process.server_argv(
         "tiny", dict(enable_prefix_caching=True), 1, 1)
     with pytest.raises(ValueError, match="use_triton"):  # no server flag
-        bench_http.server_argv("tiny", {"use_triton": True}, 1, 1)
+        serve_process.server_argv("tiny", {"use_triton": True}, 1, 1)
 
 
 def test_the_server_gets_the_in_process_engine_sizes():
     args = bench_serve.parse_args(["--model", "tiny", "--engine-option", "device=cpu",
                                    "--engine-option", "kv_cache_memory=1000000", "--http", "auto"])
     engine = dict(max_batch=8, kv_blocks=77, max_model_len=512, vocab_size=300)
-    opts = bench_http.server_options(args, "sync", engine)
+    opts = serve_process.server_options(args, "sync", engine)
     assert opts == dict(device="cpu", async_scheduling=False, max_batch=8, num_kv_blocks=77,
                         max_model_len=512)
 
@@ -149,12 +150,12 @@ def test_bad_http_arguments_are_refused():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = bench_http.free_port()
-    argv = bench_http.server_argv("tiny", dict(device="cpu", max_batch=MAX_BATCH), port, 256)
+    port = serve_process.free_port()
+    argv = serve_process.server_argv("tiny", dict(device="cpu", max_batch=MAX_BATCH), port, 256)
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")  # see one_thread
-        proc = bench_http.ServerProcess(argv, port, log)
+        proc = serve_process.ServerProcess(argv, port, log)
     with proc:
         proc.wait_healthy(120)
         yield proc
