@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from . import activation, advance, attention, linear, rmsnorm, rope, sampling
+from . import advance, attention, linear, rmsnorm, rope, sampling
 from .tuning import tuning_for
 
 
@@ -18,11 +18,7 @@ class Ops:
     triton_ops.op_set, their projection policy from kernels/op_sets.py."""
     name: str
     rms_norm: Callable
-    add_rms_norm: Callable
-    apply_rope: Callable
-    write_kv: Callable
-    rope_write_kv: Callable  # apply_rope + write_kv in one pass: what the model calls
-    silu_mul: Callable
+    rope_write_kv: Callable  # rotary embedding + the KV-cache write in one pass
     decode_attention: Callable
     prefill_attention: Callable
     sample: Callable
@@ -97,11 +93,7 @@ class Pushed:
 REFERENCE_OPS = Ops(
     name="reference",
     rms_norm=rmsnorm.rms_norm_ref,
-    add_rms_norm=rmsnorm.add_rms_norm_ref,
-    apply_rope=rope.apply_rope_ref,
-    write_kv=attention.write_kv_ref,
     rope_write_kv=rope.rope_write_kv_ref,
-    silu_mul=activation.silu_mul_ref,
     decode_attention=attention.paged_decode_attention_ref,
     prefill_attention=attention.paged_prefill_attention_ref,
     sample=sampling.sample_ref,

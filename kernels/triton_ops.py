@@ -32,9 +32,8 @@ def _interpreter_compat() -> None:
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _interpreter_compat()
 
-from . import (activation_triton, advance_triton, attention_decode_triton,  # noqa: E402
-               attention_prefill_triton, linear_triton, norm_rope_triton,
-               sampling_triton, stop_tokens_triton, write_kv_triton)
+from . import (advance_triton, attention_decode_triton, attention_prefill_triton,  # noqa: E402
+               linear_triton, norm_rope_triton, sampling_triton, stop_tokens_triton)
 from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
@@ -47,11 +46,7 @@ from .tuning import Tuning  # noqa: E402
 TRITON_OPS = Ops(
     name="triton",
     rms_norm=norm_rope_triton.rms_norm,
-    add_rms_norm=norm_rope_triton.add_rms_norm,
-    apply_rope=norm_rope_triton.apply_rope,
-    write_kv=write_kv_triton.write_kv,
     rope_write_kv=norm_rope_triton.rope_write_kv,
-    silu_mul=activation_triton.silu_mul,
     decode_attention=attention_decode_triton.decode_attention,
     prefill_attention=attention_prefill_triton.prefill_attention,
     sample=sampling_triton.sample,
@@ -69,14 +64,11 @@ TRITON_OPS = Ops(
 
 
 def tuned(ops: Ops, tuning: Tuning) -> Ops:
-    """ops with the attention, sampling, norm, rope and activation kernels launched from
-    `tuning`'s tables."""
+    """ops with the attention, sampling, norm and rope kernels launched from `tuning`'s
+    tables."""
     a, s, e = tuning.attention, tuning.sampling, tuning.elementwise
     return replace(ops, rms_norm=partial(ops.rms_norm, tuning=e),
-                   add_rms_norm=partial(ops.add_rms_norm, tuning=e),
-                   apply_rope=partial(ops.apply_rope, tuning=e),
                    rope_write_kv=partial(ops.rope_write_kv, tuning=e),
-                   silu_mul=partial(ops.silu_mul, tuning=e),
                    decode_attention=partial(ops.decode_attention, tuning=a),
                    prefill_attention=partial(ops.prefill_attention, tuning=a),
                    rope_decode_attention=partial(ops.rope_decode_attention, tuning=a),
