@@ -63,7 +63,7 @@ def advance(tokens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tens
     if sampled_out is not None:
         assert sampled_out.shape == tokens.shape and sampled_out.dtype == torch.int64
     block = min(1024, triton.next_power_of_2(b))
-    dependent = pdl.enabled(tokens, projection=False, tail=True)
+    dependent = pdl.enabled(tokens)
     _advance_kernel[(triton.cdiv(b, block),)](
         tokens, input_ids, positions, steps, num_rows,
         sampled_out if sampled_out is not None else tokens,
@@ -124,7 +124,7 @@ def spec_advance(tokens: torch.Tensor, count: torch.Tensor | None, draft: torch.
         draft = draft.contiguous()
         assert draft.shape == (b, k1 - 1)
     block = min(256, triton.next_power_of_2(b))
-    dependent = pdl.enabled(tokens, projection=False, tail=True)
+    dependent = pdl.enabled(tokens)
     _spec_advance_kernel[(triton.cdiv(b, block),)](
         tokens, tokens if greedy else count, draft if greedy else tokens, input_ids, positions,
         steps, num_rows, out_tokens, out_count, b, out_tokens.stride(0), out_count.stride(0),

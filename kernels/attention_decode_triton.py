@@ -314,7 +314,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_gr = triton.next_power_of_2(g)
     merge_splits = max(1, min(triton.next_power_of_2(num_splits),
                               tuning.merge_elements // (block_gr * block_d)))
-    dependent = pdl.enabled(q, projection=False)
+    dependent = pdl.enabled(q)
     # fewer warps for small head dims, but not for large batches (batch-invariant: always, the
     # launch may not depend on the batch)
     rows = None if invariant else b

@@ -64,9 +64,9 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def enabled(x: torch.Tensor, projection: bool = False, tail: bool = False) -> bool:
+def enabled(x: torch.Tensor) -> bool:
     """Whether a kernel working on x launches as a programmatic dependent: mode "all" on an
-    sm_90+ GPU. (projection and tail no longer change the answer; callers may drop them.)"""
+    sm_90+ GPU."""
     if mode == "off":
         return False
     if not (AVAILABLE and not _INTERPRET and x.is_cuda):

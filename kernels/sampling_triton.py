@@ -381,7 +381,7 @@ def sample_impl(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     cand_i = _new((b, cap), torch.int32, dev)
     inc = _new((b, block_c * ns), torch.int32, dev)
     precise = (not _INTERPRET) and dev.type == "cuda"
-    dependent = pdl.enabled(logits, projection=False, tail=True)
+    dependent = pdl.enabled(logits)
     _chunk_kernel[(b, c)](logits, logits.stride(0), temperature, top_k, top_p, seeds, steps,
                           best, stats, top, rest, v, c, NS=ns, SUB=sub, RS=top_r,
                           PRECISE_LOG=precise, PDL=dependent, num_warps=tuning.chunk_warps,
@@ -430,7 +430,7 @@ def argmax(logits: torch.Tensor, *, tuning: SamplingTuning = DEFAULT.sampling) -
         logits = logits.contiguous()
     c = triton.cdiv(v, tuning.chunk)
     best = _new((n, c), torch.int64, logits.device)
-    dependent = pdl.enabled(logits, projection=False, tail=True)
+    dependent = pdl.enabled(logits)
     _argmax_chunk_kernel[(n, c)](logits, logits.stride(0), best, v, c, BLOCK=tuning.chunk,
                                  PDL=dependent, num_warps=tuning.chunk_warps,
                                  launch_pdl=dependent)

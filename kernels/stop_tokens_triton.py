@@ -37,7 +37,7 @@ def mask_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, steps: torch.
         from .sampling import mask_stop_tokens_ref
         return mask_stop_tokens_ref(out, stop_ids, steps, min_tokens, inplace=True)
     s = stop_ids.shape[1]
-    dependent = pdl.enabled(out, projection=False, tail=True)
+    dependent = pdl.enabled(out)
     # steps / min_tokens may be strided or broadcast views (stride 0: one row's values for
     # every logits row, as the speculative verify passes them)
     _mask_stop_kernel[(b,)](out, out.stride(0), stop_ids, stop_ids.stride(0), steps,
