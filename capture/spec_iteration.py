@@ -56,7 +56,7 @@ def _interleave(states: list[FinalHidden]) -> FinalHidden:
     """Draft steps' [B, H] states -> [B * (K + 1), H] in the verify's row order (row r's K + 1
     positions together). The steps ran the same B rows, so the same kernels: either all of
     them left the residual apart or none did (residual None: an op set that adds it in the
-    projections' epilogues, triton_ops.fused_ops, already did)."""
+    projections' epilogues, op_sets.FusedOps, already did)."""
     def rows(parts):
         return torch.stack(parts, dim=1).flatten(0, 1)
 

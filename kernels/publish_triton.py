@@ -8,7 +8,7 @@ them.
 
 The host cannot tell a replayed graph where to write without a copy per step, so the slot is
 chosen on the device: a counter in device memory, advanced by every launch of this kernel. The
-host mirrors it (capture.staging.ResultMailbox). Reference: kernels/publish.py."""
+host mirrors it (capture/results.py, ResultRing.take). Reference: kernels/publish.py."""
 from __future__ import annotations
 
 import torch

@@ -105,7 +105,7 @@ def test_staging_ring_survives_rewrite_while_copy_in_flight():
 
 
 def test_fused_projection_buckets_graphs_equal_eager_and_async_equals_sync():
-    """Buckets of 33-64 rows run the epilogue-fused projections (triton_ops.fused_ops: o and
+    """Buckets of 33-64 rows run the epilogue-fused projections (kernels/op_sets.py, FusedOps: o
     down adding the residual, gate_up the activation, a small qkv on Triton and the attention
     after it prefetching): greedy rows of the graphs equal the eager iterations token for token
     (as test_graph_replay_matches_eager_for_every_bucket checks for small buckets), and async

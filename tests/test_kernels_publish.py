@@ -1,5 +1,6 @@
 """kernels/publish_triton.py against kernels/publish.py: results into a host ring, the slot
-picked by a device counter. On CUDA the ring is pinned host memory, as ResultMailbox uses it."""
+picked by a device counter. On CUDA the ring is pinned host memory, as capture/results.py's
+ResultRing uses it."""
 import pytest
 import torch
 

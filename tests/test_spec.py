@@ -243,7 +243,7 @@ def test_repeat_rows_is_a_dense_repeat_interleave():
 
 def test_interleave_takes_states_whose_residual_is_already_added():
     """Draft states from an op set that adds the residual in the projections' epilogues
-    (triton_ops.fused_ops, 33-64 rows) carry residual None; the verify's interleaved state
+    (kernels/op_sets.py, FusedOps, 33-64 rows) carry residual None; the verify's interleaved state
     then does too, with the outputs in its row order (row r's K + 1 positions together)."""
     from graphexec.capture.spec_iteration import _interleave
     from graphexec.model.llama import FinalHidden
