@@ -5,9 +5,9 @@ tools/profile_step.py.
 Such a model has a rank's heads, KV heads, MLP width and vocabulary slice (graphexec/model/
 shard.py) and none of the collectives, so its step against the real size-N step is what the
 all-reduces, the logits' gather and the waits between ranks cost, and its kernel profile is a
-rank's (docs/benchmarks.md "Tensor parallelism", run 8). Its norms run as their own kernels
-where a rank's all-reduce would fuse them. The preset is registered in this process only: it
-runs at tensor_parallel_size 1, whose engine has no worker processes.
+rank's (docs/benchmarks.md "Tensor parallelism", measured 2026-11-26). Its norms run as their
+own kernels where a rank's all-reduce would fuse them. The preset is registered in this process
+only: it runs at tensor_parallel_size 1, whose engine has no worker processes.
 """
 from __future__ import annotations
 
