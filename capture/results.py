@@ -1,8 +1,10 @@
 """ResultRing: where each step's results reach the host. One slot of pinned host memory per
 launched step, num_slots of them reused in turn.
 
-A slot holds 2 * rows rows: the decode rows' results from row 0, the prompt chunks' samples from
-row `rows` on. The decode rows' tokens and counts are stored there by the GPU itself: the last
+A slot holds the decode rows' results (W tokens each, and logprobs) and, apart, the prompt chunks'
+samples (one each), so that every copy into it lands in contiguous memory: a D2H copy into a
+strided destination goes through a pageable temporary, which blocks the host until the stream
+reaches it. The decode rows' tokens and counts are stored there by the GPU itself: the last
 kernel of the iteration (kernels/publish_triton.py) writes them into the slot a device counter
 points at, so no D2H copy sits between two graph replays and a replayed graph needs no host
 input. Everything else a step returns (prompt chunks' samples, logprobs) is copied after it.
@@ -28,7 +30,7 @@ class ResultRows:
     again, num_slots launches later)."""
 
     tokens: np.ndarray  # [n, W]
-    counts: np.ndarray  # [n] tokens each row emitted (decode rows only)
+    counts: np.ndarray | None  # [n] tokens each row emitted (decode rows; None for chunks)
     logprob: np.ndarray  # [n, W] the chosen tokens' logprobs (when the step computed them)
     top_logprobs: np.ndarray  # [n, W, N]
     top_ids: np.ndarray  # [n, W, N]
@@ -37,7 +39,7 @@ class ResultRows:
 @dataclass
 class StepResults:
     decode: ResultRows  # one per decode row, in row order
-    prefill: ResultRows  # one per prompt chunk, in launch order (its sample in column 0)
+    prefill: ResultRows  # one per prompt chunk, in launch order: its one sample, W = 1
     with_logprobs: bool
 
 
@@ -46,11 +48,11 @@ class ResultSlot:
     """One step's pinned results: views of the ring's buffers, as tensors (what the device
     copies into) and as numpy arrays (what the host reads)."""
 
-    tokens: torch.Tensor  # [2 * rows, W]
-    logprob: torch.Tensor  # [2 * rows, W]
-    top_logprobs: torch.Tensor  # [2 * rows, W, N]
-    top_ids: torch.Tensor  # [2 * rows, W, N]
+    decode: tuple[torch.Tensor, ...]  # tokens [rows, W], logprob [rows, W], top_logprobs and
+    # top_ids [rows, W, N]; the tokens are a view of the packed buffer publish stores
+    prefill: tuple[torch.Tensor, ...]  # tokens, logprob [rows]; top_logprobs, top_ids [rows, N]
     arrays: tuple[np.ndarray, ...]  # packed (tokens, count), logprob, top_logprobs, top_ids
+    prefill_arrays: tuple[np.ndarray, ...]  # tokens, logprob, top_logprobs, top_ids
     event: torch.cuda.Event | None = None  # recorded behind the step's last copy (CUDA)
 
 
@@ -60,18 +62,21 @@ class ResultRing:
         if num_slots < 3:
             raise ValueError(f"ResultRing needs num_slots >= 3, got num_slots={num_slots}")
         self.cuda = device.type == "cuda"
-        self.rows, self.num_slots = rows, num_slots
+        self.num_slots = num_slots
 
         def pinned(*shape, dtype=torch.int64):
-            return torch.zeros(num_slots, 2 * rows, *shape, dtype=dtype, pin_memory=self.cuda)
+            return torch.zeros(num_slots, rows, *shape, dtype=dtype, pin_memory=self.cuda)
 
-        w = width
+        w, n = width, num_logprobs
         # tokens, then the count: DecodeState.out_packed's layout, which publish stores whole
         self.packed = pinned(w + 1)
-        bufs = (self.packed, pinned(w, dtype=torch.float32),
-                pinned(w, num_logprobs, dtype=torch.float32), pinned(w, num_logprobs))
-        self.slots = [ResultSlot(bufs[0][i, :, :w], *(b[i] for b in bufs[1:]),
-                                 arrays=tuple(b[i].numpy() for b in bufs))
+        dec = (self.packed, pinned(w, dtype=torch.float32), pinned(w, n, dtype=torch.float32),
+               pinned(w, n))
+        pre = (pinned(), pinned(dtype=torch.float32), pinned(n, dtype=torch.float32), pinned(n))
+        self.slots = [ResultSlot((dec[0][i, :, :w], *(b[i] for b in dec[1:])),
+                                 tuple(b[i] for b in pre),
+                                 arrays=tuple(b[i].numpy() for b in dec),
+                                 prefill_arrays=tuple(b[i].numpy() for b in pre))
                       for i in range(num_slots)]
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # the slot to publish
         if self.cuda:
@@ -113,10 +118,10 @@ class ResultRing:
     def read(self, i: int, num_decode: int, num_prefill: int,
              with_logprobs: bool) -> StepResults:
         """Slot i's results as numpy views; the caller has waited for its event."""
-        packed, lp, top_lp, top_ids = self.slots[i].arrays
-
-        def rows(start: int, n: int) -> ResultRows:
-            s = slice(start, start + n)
-            return ResultRows(packed[s, :-1], packed[s, -1], lp[s], top_lp[s], top_ids[s])
-
-        return StepResults(rows(0, num_decode), rows(self.rows, num_prefill), with_logprobs)
+        slot = self.slots[i]
+        packed, lp, top_lp, top_ids = (a[:num_decode] for a in slot.arrays)
+        decode = ResultRows(packed[:, :-1], packed[:, -1], lp, top_lp, top_ids)
+        # a chunk's one sample as a row of width 1, read as a decode row's tokens are
+        tok, lp, top_lp, top_ids = (a[:num_prefill, None] for a in slot.prefill_arrays)
+        prefill = ResultRows(tok, None, lp, top_lp, top_ids)
+        return StepResults(decode, prefill, with_logprobs)

@@ -207,22 +207,17 @@ class ModelRunner:
     def _copy_out(self, i: int, samples: SampleOut | None, num_prefill: int, num_decode: int,
                   with_logprobs: bool) -> None:
         """Enqueues the copies of what the forward did not publish into slot i: the chunks'
-        samples and the logprobs. The decode rows' come first, the chunks' from row
-        results.rows on."""
-        slot, st, r = self.results.slots[i], self.state, self.results.rows
+        samples and the logprobs, each into contiguous pinned memory (ResultRing says why)."""
+        slot, st, pre = self.results.slots[i], self.state, samples
         nb = self.device.type == "cuda"
-        pre = samples
-        # (host, decode rows' source, prefill rows' source)
-        pairs = [(slot.tokens, None, pre.tokens if pre else None)]
-        if with_logprobs:
-            pairs += [(slot.logprob, st.out_logprob, pre.logprob if pre else None),
-                      (slot.top_logprobs, st.out_top_logprobs, pre.top_logprobs if pre else None),
-                      (slot.top_ids, st.out_top_ids, pre.top_ids if pre else None)]
-        for host, dec, pf in pairs:
-            if num_decode and dec is not None:
-                host[:num_decode].copy_(dec[:num_decode], non_blocking=nb)
-            if pf is not None:  # a captured prefill's outputs are padded: its first rows
-                host[r:r + num_prefill, 0].copy_(pf[:num_prefill], non_blocking=nb)
+        # tokens (the decode rows' are published), then the logprobs
+        dec = (None, st.out_logprob, st.out_top_logprobs, st.out_top_ids)
+        pf = (pre.tokens, pre.logprob, pre.top_logprobs, pre.top_ids) if pre else (None,) * 4
+        for k in range(4 if with_logprobs else 1):
+            if num_decode and dec[k] is not None:
+                slot.decode[k][:num_decode].copy_(dec[k][:num_decode], non_blocking=nb)
+            if pf[k] is not None:  # a captured prefill's outputs are padded: its first rows
+                slot.prefill[k][:num_prefill].copy_(pf[k][:num_prefill], non_blocking=nb)
         self.results.record(i)
 
     def host_waits(self) -> int:
