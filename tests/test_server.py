@@ -251,6 +251,30 @@ def test_bad_json_is_400_and_the_server_still_serves(server, client):
     assert out.usage.completion_tokens == 2
 
 
+def _post(server: Server, path: str, raw: str) -> httpx.Response:
+    return httpx.post(server.url + path, content=raw.encode(), timeout=30, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+
+
+def test_text_that_is_not_unicode_is_400_naming_the_field(server, has_text):
+    if not has_text:
+        pytest.skip("needs a model with a tokenizer")
+    # A lone surrogate is valid JSON but no valid text: written raw, as a client could.
+    for path, raw, param in (
+            ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a\\ud800"}}', "prompt"),
+            ("/v1/completions", f'{{"model": "{MODEL}", "prompt": ["ok", "\\udc00"]}}',
+             "prompt"),
+            ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stop": "\\ud800"}}',
+             "stop"),
+            ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", '
+             f'"content": "\\ud800"}}]}}', "messages[0].content")):
+        r = _post(server, path, raw)
+        assert r.status_code == 400, (raw, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "Unicode" in err["message"], err
+        assert err["type"] == "invalid_request_error", err
+
+
 def test_hang_up_mid_stream_frees_the_request(server, client):
     body = {"model": MODEL, "prompt": _ids(8), "max_tokens": 400, "stream": True,
             "ignore_eos": True, "return_token_ids": True}

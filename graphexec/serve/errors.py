@@ -1,10 +1,14 @@
 """Errors in the OpenAI wire format: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("graphexec.serve")
 
 
 class APIError(Exception):
@@ -78,3 +82,12 @@ def install(app: FastAPI) -> None:
         # 404 / 405 from routing, in the same body shape as everything else
         return APIError(str(exc.detail), status=exc.status_code,
                         code=str(exc.status_code)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's fault: the client still gets JSON it can parse, and the
+        # traceback goes to our log (Starlette then re-raises it to uvicorn, which logs too).
+        log.error("unexpected error in %s %s", request.method, request.url.path,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return APIError("the server failed on this request; see its log", status=500,
+                        type="server_error", code="internal_error").response()

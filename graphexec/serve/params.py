@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..sampling_params import MAX_SEED, SamplingParams
 from .errors import APIError, invalid
 from .model_info import ModelInfo
+from .prompts import check_unicode
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_N = 16  # choices per request: each is a whole request in the engine
@@ -45,6 +46,7 @@ def check_common(req: SamplingFields) -> None:
     """What does not depend on the prompt: checked once per HTTP request."""
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"n must be an integer in [1, {MAX_N}], got {req.n}", "n")
+    check_unicode(req.stop, "stop", "stop")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0.0):
             raise _unsupported(name, "a non-zero penalty")

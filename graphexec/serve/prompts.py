@@ -21,7 +21,11 @@ def completion_prompts(prompt: str | list, info: ModelInfo) -> list[list[int]]:
     out = []
     for i, p in enumerate(batch):
         where = "prompt" if single else f"prompt[{i}]"
-        ids = _encode(p, info, where) if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            check_unicode(p, where, "prompt")
+            ids = _encode(p, info, where)
+        else:
+            ids = list(p)
         if not ids:
             raise invalid(f"{where} is empty", "prompt")
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
@@ -30,6 +34,24 @@ def completion_prompts(prompt: str | list, info: ModelInfo) -> list[list[int]]:
                           f"[0, {info.vocab_size})", "prompt")
         out.append(ids)
     return out
+
+
+def check_unicode(value: object, where: str, param: str | None = None) -> None:
+    """Refuses text that is not valid Unicode (a lone surrogate such as "\\ud800" is valid
+    JSON): the tokenizer would fail on it with a TypeError, which is the client's fault."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise invalid(f"{where} is not valid Unicode: {e.reason} at character {e.start}",
+                          param or where) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, where, param)
+            check_unicode(v, f"{where}.{k}", param)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_unicode(v, f"{where}[{i}]", param)
 
 
 def _encode(text: str, info: ModelInfo, where: str) -> list[int]:
@@ -44,6 +66,8 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
         raise invalid("messages: this model has no tokenizer (and so no chat template); use "
                       "/v1/completions with token ids", "messages")
     messages = [_message(m) for m in req.messages]
+    for i, m in enumerate(messages):
+        check_unicode(m, f"messages[{i}]")
     try:
         return encode_chat(info.tokenizer, messages, req.add_generation_prompt)
     except ValueError as e:  # no template, or the template refused the conversation
