@@ -275,6 +275,16 @@ def test_text_that_is_not_unicode_is_400_naming_the_field(server, has_text):
         assert err["type"] == "invalid_request_error", err
 
 
+def test_a_request_larger_than_the_queue_is_400_not_503(client):
+    # The fixture's --max-queue is 64: no wait makes room for 65 requests at once.
+    for prompts, n in (([_ids(2)] * 65, 1), ([_ids(2)] * 5, 16)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompts, n=n, max_tokens=1)
+        err = e.value.body
+        assert e.value.status_code == 400 and err["param"] == "prompt", err
+        assert "max_queue=64" in err["message"], err
+
+
 def test_hang_up_mid_stream_frees_the_request(server, client):
     body = {"model": MODEL, "prompt": _ids(8), "max_tokens": 400, "stream": True,
             "ignore_eos": True, "return_token_ids": True}

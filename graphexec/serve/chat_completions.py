@@ -24,6 +24,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_common(body)
     info = state.model_info()
     names = chat_fields(body)
+    state.check_fits_queue(1, body.n)
     prompt = chat_prompt(body, info)
     jobs = [Job(prompt, sampling_params(body, names, len(prompt), info, i))
             for i in range(body.n)]

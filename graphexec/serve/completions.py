@@ -24,6 +24,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_common(body)
     info = state.model_info()
     prompts = completion_prompts(body.prompt, info)
+    state.check_fits_queue(len(prompts), body.n)
     jobs = [Job(p, sampling_params(body, COMPLETION_FIELDS, len(p), info, i))
             for p in prompts for i in range(body.n)]
     gen = Generation(state, new_id("cmpl"), jobs, COMPLETION_FIELDS)

@@ -32,6 +32,18 @@ class ServerState:
             raise invalid(f"model: the model {name!r} does not exist; this server serves "
                           f"{self.config.served_model_name!r}", "model", code="model_not_found")
 
+    def check_fits_queue(self, num_prompts: int, n: int) -> None:
+        """A request larger than the whole queue would get a 503 forever: that is the client's
+        error (400), naming n if n alone is too many, else the prompt batch."""
+        limit = self.config.max_queue
+        if num_prompts * n <= limit:
+            return
+        param = "n" if n > limit else "prompt"
+        raise invalid(f"{param}: {num_prompts} prompt(s) x n={n} is {num_prompts * n} "
+                      f"requests, more than this server ever queues at once (max_queue="
+                      f"{limit}); split it into requests of at most {limit}", param,
+                      code="too_many_requests_in_batch")
+
     def admit(self, n: int) -> None:
         """Raises 503 rather than letting the queue grow without bound."""
         if not self.ready:
