@@ -192,7 +192,6 @@ def test_sixteen_concurrent_streams(client):
 
 
 BAD = {
-    "model": ({"model": "no-such-model"}, "model"),
     "negative max_tokens": ({"max_tokens": -3}, "max_tokens"),
     "prompt over the context": ({"prompt": _ids(MAX_MODEL_LEN)}, "prompt"),
     "prompt + max_tokens over the context": ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
@@ -200,6 +199,11 @@ BAD = {
     "top_p": ({"top_p": 1.5}, "top_p"),
     "logprobs": ({"logprobs": 99}, "logprobs"),
     "token id outside the vocabulary": ({"prompt": [10, 10**9]}, "prompt"),
+    "boolean token ids": ({"prompt": [True, False]}, "prompt"),
+    "float token id": ({"prompt": [10, 1.5]}, "prompt"),
+    "float token id in a batch": ({"prompt": [[10], [1.5]]}, "prompt"),
+    "empty stop string": ({"stop": ""}, "stop"),
+    "empty stop string in a list": ({"stop": ["a", ""]}, "stop"),
     "n": ({"n": 0}, "n"),
     "top_k": ({"extra_body": {"top_k": -7}}, "top_k"),
     # These two pass the handler's checks and are refused by Engine.add_request on the engine
@@ -221,6 +225,28 @@ def test_bad_completion_is_400_naming_the_field(client, case):
     err = e.value.body
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert param.split("_")[0] in err["message"], err
+    assert "cmpl-" not in err["message"], err  # no internal request ids
+    if "token id" in case and "vocabulary" not in case:
+        assert "expected an integer token id" in err["message"], err
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=_ids(3), max_tokens=1)
+    err = e.value.body
+    assert e.value.status_code == 404 and err["code"] == "model_not_found", err
+    assert err["param"] == "model", err
+
+
+def test_bearer_scheme_is_case_insensitive_and_405_says_allow(server):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and "POST" in r.headers["allow"], r.headers
+    assert r.json()["error"]["code"] == "405", r.text
 
 
 def test_bad_chat_fields_are_named(client, has_text):

@@ -74,13 +74,15 @@ _STARTED = created()
 
 
 def _auth(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = api_key.encode() if api_key else None
 
     async def check(request: Request) -> None:
         if expected is None:
             return
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, expected):  # constant time: the key is a secret
+        # The scheme is case-insensitive (RFC 7235); the key is not.
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        ok = hmac.compare_digest(token.strip().encode(), expected)  # constant time: a secret
+        if not (ok and scheme.lower() == "bearer"):
             raise errors.APIError("a valid API key is required (Authorization: Bearer <key>)",
                                   status=401, code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})

@@ -80,8 +80,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # 404 / 405 from routing, in the same body shape as everything else
-        return APIError(str(exc.detail), status=exc.status_code,
-                        code=str(exc.status_code)).response()
+        # (their headers kept: a 405 carries Allow)
+        return APIError(str(exc.detail), status=exc.status_code, code=str(exc.status_code),
+                        headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

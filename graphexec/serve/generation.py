@@ -65,10 +65,10 @@ class Generation:
         if refused is not None:
             self.abort()
             self.state.metrics.refused.labels("engine").inc()
+            message = self._public(refused.message)
             if refused.status == 400:
-                raise invalid(refused.message, _param_of_engine_error(refused.message,
-                                                                      self.names))
-            raise APIError(refused.message, status=refused.status, type="server_error")
+                raise invalid(message, _param_of_engine_error(refused.message, self.names))
+            raise APIError(message, status=refused.status, type="server_error")
         self.state.metrics.prompt_tokens.inc(sum(len(j.prompt) for j in self.jobs))
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -89,7 +89,8 @@ class Generation:
             ev = pending.popleft()
             if isinstance(ev, Rejected):  # the engine failed under us
                 self._unfinished.clear()
-                raise APIError(ev.message, status=ev.status, type="server_error")
+                raise APIError(self._public(ev.message), status=ev.status,
+                               type="server_error")
             if not isinstance(ev, Delta):
                 continue
             while (ev.finish_reason is None and pending and isinstance(pending[0], Delta)
@@ -97,6 +98,15 @@ class Generation:
                 ev = ev.then(pending.popleft())
             self._note(ev)
             yield ev
+
+    def _public(self, message: str) -> str:
+        """The engine's message without this server's internal request ids (the engine names
+        the request it refused; the client knows which one it sent)."""
+        for eid in self._engine_ids:
+            q = repr(eid)
+            message = message.replace(f"request {q}: ", "").replace(f" for {q}", "")
+            message = message.replace(q, "the request").replace(eid, "the request")
+        return message
 
     def _note(self, ev: Delta) -> None:
         if ev.finish_reason is not None:

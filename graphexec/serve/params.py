@@ -109,7 +109,8 @@ def sampling_params(req: SamplingFields, names: FieldNames, prompt_len: int, inf
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k, seed=seed,
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-        logprobs=_logprobs(req), stop=req.stop or [])
+        # stop="" goes through so that it is refused as [""] is: it would match everywhere
+        logprobs=_logprobs(req), stop=[] if req.stop is None else req.stop)
     try:
         return SamplingParams(**options)
     except ValueError as e:

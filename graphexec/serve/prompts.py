@@ -4,6 +4,8 @@ Token ids are checked against the vocabulary here so that a bad id is refused by
 of being found by the engine; the context limit is checked with the params (params.py)."""
 from __future__ import annotations
 
+import json
+
 from ..text.chat import encode_chat
 from .errors import invalid
 from .model_info import ModelInfo
@@ -12,7 +14,7 @@ from .protocol import ChatCompletionRequest, ChatMessage
 
 def completion_prompts(prompt: str | list, info: ModelInfo) -> list[list[int]]:
     """A string, a list of token ids, or a batch of either -> one id list per prompt."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+    if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], (str, list))):
         batch, single = [prompt], True
     else:
         batch, single = prompt, False
@@ -24,8 +26,11 @@ def completion_prompts(prompt: str | list, info: ModelInfo) -> list[list[int]]:
         if isinstance(p, str):
             check_unicode(p, where, "prompt")
             ids = _encode(p, info, where)
+        elif isinstance(p, list):
+            ids = _token_ids(p, where)
         else:
-            ids = list(p)
+            raise invalid(f"{where}: expected a string or a list of integer token ids, got "
+                          f"{_shown(p)}", "prompt")
         if not ids:
             raise invalid(f"{where} is empty", "prompt")
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
@@ -34,6 +39,19 @@ def completion_prompts(prompt: str | list, info: ModelInfo) -> list[list[int]]:
                           f"[0, {info.vocab_size})", "prompt")
         out.append(ids)
     return out
+
+
+def _token_ids(ids: list, where: str) -> list[int]:
+    for j, t in enumerate(ids):
+        if type(t) is not int:  # a bool is an int to Python, and 1.5 or "7" is no token id
+            raise invalid(f"{where}[{j}]: expected an integer token id, got {_shown(t)}",
+                          "prompt")
+    return ids
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)  # as the client wrote it: true, not True
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_unicode(value: object, where: str, param: str | None = None) -> None:

@@ -47,7 +47,9 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of token ids, or a batch of either (one set of n choices per prompt).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Only the outer shape is checked here: prompts.py checks each item, so that true or 1.5
+    # is refused as a token id by name instead of being coerced or blamed on a union member.
+    prompt: str | list
     max_tokens: int | None = 16  # the OpenAI default for completions
     logprobs: int | None = None
     echo: bool = False

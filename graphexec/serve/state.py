@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .config import ServeConfig
 from .engine_loop import EngineLoop
-from .errors import invalid, unavailable
+from .errors import APIError, invalid, unavailable
 from .metrics import ServerMetrics
 from .model_info import ModelInfo
 
@@ -29,8 +29,10 @@ class ServerState:
 
     def check_model(self, name: str) -> None:
         if name != self.config.served_model_name:
-            raise invalid(f"model: the model {name!r} does not exist; this server serves "
-                          f"{self.config.served_model_name!r}", "model", code="model_not_found")
+            # 404, as OpenAI answers for a model it does not have
+            raise APIError(f"model: the model {name!r} does not exist; this server serves "
+                           f"{self.config.served_model_name!r}", status=404, param="model",
+                           code="model_not_found")
 
     def check_fits_queue(self, num_prompts: int, n: int) -> None:
         """A request larger than the whole queue would get a 503 forever: that is the client's
