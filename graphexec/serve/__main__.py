@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: $GRAPHEXEC_API_KEY, else none)")
     ap.add_argument("--max-queue", type=int, default=256,
                     help="waiting requests beyond which new ones are refused with 503")
+    ap.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                    help="request bodies above this are refused with 413 before they are "
+                         "read (default 8 MiB: a 128K-token prompt is about 0.5 MB as text "
+                         "and 1 MB as token ids, and \\u escapes can make text 6x longer)")
     ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
     ap.add_argument("--dtype", default=None, help="bfloat16, float16, float32")
     ap.add_argument("--max-batch", type=int, default=None, help="rows decoded together")
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServeConfig(model=args.model, served_model_name=args.served_model_name or args.model,
-                         engine_options=opts, api_key=args.api_key, max_queue=args.max_queue)
+                         engine_options=opts, api_key=args.api_key, max_queue=args.max_queue,
+                         max_request_bytes=args.max_request_bytes)
     from ..engine import Engine
     from .app import build_app
 

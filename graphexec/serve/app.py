@@ -1,5 +1,6 @@
-"""The FastAPI application: lifespan (the engine loop's start and stop), authentication, and the
-routes that are not generation (/health, /metrics, /v1/models)."""
+"""The FastAPI application: lifespan (the engine loop's start and stop), authentication, the
+body-size limit (limits.py), and the routes that are not generation (/health, /metrics,
+/v1/models)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from . import chat_completions, completions, errors
 from .config import ServeConfig
 from .engine_loop import EngineLoop
+from .limits import RequestLimits
 from .metrics import ServerMetrics
 from .render import created
 from .state import ServerState
@@ -42,6 +44,7 @@ def build_app(config: ServeConfig, engine_factory: Callable[[], object],
     app = FastAPI(title="graphexec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     errors.install(app)
+    app.add_middleware(RequestLimits, max_bytes=config.max_request_bytes)
     v1 = APIRouter(dependencies=[Depends(_auth(config.api_key))])
     v1.include_router(completions.router)
     v1.include_router(chat_completions.router)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .limits import DEFAULT_MAX_REQUEST_BYTES
+
 
 @dataclass
 class ServeConfig:
@@ -13,9 +15,14 @@ class ServeConfig:
     # Requests admitted but not yet running (queued in the engine or on their way to it) beyond
     # which a new request is refused with 503 instead of waiting without bound.
     max_queue: int = 256
+    # Bodies above this are refused with 413 before they are read (limits.py).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {self.max_queue!r}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be a positive integer, got "
+                             f"{self.max_request_bytes!r}")
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")

@@ -1,0 +1,91 @@
+"""What is refused before a request's body is read: a body over --max-request-bytes (413).
+
+A pure ASGI middleware rather than a route dependency: FastAPI reads and parses the whole body
+before dependencies run, so an oversized body would cost its full read and parse first. A
+chunked body, whose size is not known up front, is counted as it streams and cut off with 413
+the moment it passes the limit.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import APIError
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+def too_large(limit: int, size: int | None) -> APIError:
+    got = f"{size} bytes" if size is not None else "more than that"
+    return APIError(f"the request body is {got}; this server accepts at most {limit} bytes "
+                    f"(--max-request-bytes)", status=413, code="request_too_large")
+
+
+async def send_error(send, err: APIError, close: bool) -> None:
+    """The error as a whole response. close: the body was left unread, so the connection
+    cannot carry another request; tell the client (uvicorn then closes it)."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class RequestLimits:
+    """ASGI middleware: max_bytes bounds every body."""
+
+    app: object
+    max_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        length = headers.get("content-length")
+        has_body = bool(length and length.strip() != "0") or "transfer-encoding" in headers
+        err = self._refusal(scope, headers)
+        if err is not None:
+            return await send_error(send, err, close=has_body)
+        body = _Counted(receive, send, self.max_bytes)
+        await self.app(scope, body.receive, body.send)
+
+    def _refusal(self, scope, headers: dict[str, str]) -> APIError | None:
+        length = headers.get("content-length", "").strip()
+        if length.isdigit() and int(length) > self.max_bytes:
+            return too_large(self.max_bytes, int(length))
+        return None
+
+
+class _Counted:
+    """Counts the body as the app reads it; past the limit, answers 413 itself and shows the
+    app a disconnect, so that the app stops reading and its own answer is dropped."""
+
+    def __init__(self, receive, send, limit: int):
+        self._receive, self._send, self._limit = receive, send, limit
+        self.seen = 0
+        self.started = False  # a response has begun: too late for a 413
+        self.cut = False  # the 413 was sent: the app's own answer goes nowhere
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] != "http.request":
+            return message
+        self.seen += len(message.get("body", b""))
+        if self.seen <= self._limit:
+            return message
+        if not self.started:
+            await send_error(self._send, too_large(self._limit, None), close=True)
+            self.started = self.cut = True
+        return {"type": "http.disconnect"}
+
+    async def send(self, message) -> None:
+        if self.cut:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
