@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the conversation rendered with the model's chat template."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -25,7 +26,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     info = state.model_info()
     names = chat_fields(body)
     state.check_fits_queue(1, body.n)
-    prompt = chat_prompt(body, info)
+    # Template rendering and tokenising scale with the conversation: off the event loop.
+    prompt = await asyncio.to_thread(chat_prompt, body, info)
     jobs = [Job(prompt, sampling_params(body, names, len(prompt), info, i))
             for i in range(body.n)]
     gen = Generation(state, new_id("chatcmpl"), jobs, names)

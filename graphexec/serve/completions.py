@@ -1,6 +1,7 @@
 """POST /v1/completions: a prompt (text or token ids, or a batch of either), n choices each."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -23,7 +24,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_model(body.model)
     check_common(body)
     info = state.model_info()
-    prompts = completion_prompts(body.prompt, info)
+    # Tokenising takes seconds for a prompt of megabytes: a worker thread keeps the event
+    # loop (other streams, /health) going meanwhile.
+    prompts = await asyncio.to_thread(completion_prompts, body.prompt, info)
     state.check_fits_queue(len(prompts), body.n)
     jobs = [Job(p, sampling_params(body, COMPLETION_FIELDS, len(p), info, i))
             for p in prompts for i in range(body.n)]

@@ -1,4 +1,5 @@
-"""Prompts -> token ids, on the event loop, before anything reaches the engine.
+"""Prompts -> token ids, in a worker thread of the HTTP process, before anything reaches the
+engine (the handlers call these through asyncio.to_thread).
 
 Token ids are checked against the vocabulary here so that a bad id is refused by name instead
 of being found by the engine; the context limit is checked with the params (params.py)."""

@@ -47,7 +47,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in the text (`<|im_start|>`) become their ids either way;
         add_special_tokens adds what the tokenizer's post-processor adds (a BOS, say)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it), so a long prompt
+        # tokenised in the server's worker thread does not stall its event loop.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
