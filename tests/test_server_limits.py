@@ -1,5 +1,5 @@
 """What the server refuses before reading a body (graphexec/serve/limits.py): a body over
---max-request-bytes (413).
+--max-request-bytes (413), a missing API key (401).
 
 The middleware is driven directly (to see that the body is never read) and through a real
 server process on real sockets (the tiny random-weight preset: no tokenizer, token ids only).
@@ -38,10 +38,10 @@ async def _echo_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": str(size).encode()})
 
 
-def _call(headers: dict[str, str], chunks: list[bytes], path: str = "/v1/completions"
-          ) -> tuple[int, dict, dict | None, int]:
+def _call(headers: dict[str, str], chunks: list[bytes], path: str = "/v1/completions",
+          api_key: str | None = None) -> tuple[int, dict, dict | None, int]:
     """(status, response headers, JSON body or None, body messages the app read)."""
-    limits = RequestLimits(_echo_app, max_bytes=LIMIT)
+    limits = RequestLimits(_echo_app, max_bytes=LIMIT, api_key=api_key)
     reads, sent = [0], []
 
     async def receive():
@@ -89,6 +89,18 @@ def test_bodies_within_the_limit_pass_whole():
         assert status == 200 and reads == 4
 
 
+def test_no_key_is_401_before_any_read_and_only_under_v1():
+    big = {**JSON, "content-length": str(10 * LIMIT)}
+    for auth in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"}):
+        status, hdrs, body, reads = _call({**big, **auth}, [b"x"], api_key=KEY)
+        assert status == 401 and reads == 0, auth
+        assert body["error"]["code"] == "invalid_api_key" and hdrs["www-authenticate"] == "Bearer"
+    status, *_ = _call({**JSON, "authorization": f"bEaReR {KEY}"}, [b"{}"], api_key=KEY)
+    assert status == 200
+    status, *_ = _call(JSON, [b"{}"], path="/health", api_key=KEY)
+    assert status == 200
+
+
 def _raw(srv: Server, head: str, *chunks: bytes, wait: float = 10.0) -> bytes:
     """Sends head and chunks on a socket of its own; returns what came back until close."""
     with socket.create_connection(("127.0.0.1", srv.port), timeout=wait) as s:
@@ -128,10 +140,11 @@ def _head(length: str | None, key: str | None = KEY, ctype: str = "application/j
 
 def test_real_server_refuses_before_reading(tiny):
     t0 = time.monotonic()
-    # 100 MB announced, nothing sent: answered at once
-    out = _raw(tiny, _head(str(100 * 2**20)))
-    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
-    assert b"connection: close" in out.lower(), out[:300]
+    # 100 MB announced, nothing sent: answered at once, with no key or with one
+    for key, status in ((None, 401), ("wrong", 401), (KEY, 413)):
+        out = _raw(tiny, _head(str(100 * 2**20), key))
+        assert out.startswith(f"HTTP/1.1 {status} ".encode()), out[:200]
+        assert b"connection: close" in out.lower(), out[:300]
     assert time.monotonic() - t0 < 5
     # chunked, past the limit
     chunk = b"%x\r\n%s\r\n" % (1000, b" " * 1000)

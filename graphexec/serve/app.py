@@ -1,14 +1,13 @@
-"""The FastAPI application: lifespan (the engine loop's start and stop), authentication, the
-body-size limit (limits.py), and the routes that are not generation (/health, /metrics,
-/v1/models)."""
+"""The FastAPI application: lifespan (the engine loop's start and stop), the checks made before
+a body is read (limits.py: API key and size), and the routes that are not generation
+(/health, /metrics, /v1/models)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -44,8 +43,9 @@ def build_app(config: ServeConfig, engine_factory: Callable[[], object],
     app = FastAPI(title="graphexec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     errors.install(app)
-    app.add_middleware(RequestLimits, max_bytes=config.max_request_bytes)
-    v1 = APIRouter(dependencies=[Depends(_auth(config.api_key))])
+    app.add_middleware(RequestLimits, max_bytes=config.max_request_bytes,
+                       api_key=config.api_key)
+    v1 = APIRouter()
     v1.include_router(completions.router)
     v1.include_router(chat_completions.router)
 
@@ -74,20 +74,3 @@ def build_app(config: ServeConfig, engine_factory: Callable[[], object],
 
 
 _STARTED = created()
-
-
-def _auth(api_key: str | None):
-    expected = api_key.encode() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        # The scheme is case-insensitive (RFC 7235); the key is not.
-        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-        ok = hmac.compare_digest(token.strip().encode(), expected)  # constant time: a secret
-        if not (ok and scheme.lower() == "bearer"):
-            raise errors.APIError("a valid API key is required (Authorization: Bearer <key>)",
-                                  status=401, code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
-
-    return check

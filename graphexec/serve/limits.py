@@ -1,18 +1,32 @@
-"""What is refused before a request's body is read: a body over --max-request-bytes (413).
+"""What is refused before a request's body is read: a missing API key (401) and a body over
+--max-request-bytes (413).
 
 A pure ASGI middleware rather than a route dependency: FastAPI reads and parses the whole body
-before dependencies run, so an oversized body would cost its full read and parse first. A
-chunked body, whose size is not known up front, is counted as it streams and cut off with 413
-the moment it passes the limit.
+before dependencies run, so an unauthenticated or oversized body would cost its full read and
+parse first. A chunked body, whose size is not known up front, is counted as it streams and cut
+off with 413 the moment it passes the limit.
 """
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import dataclass
 
 from .errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+def bearer_ok(authorization: str, expected: bytes) -> bool:
+    """The scheme is case-insensitive (RFC 7235); the key is not."""
+    scheme, _, token = authorization.strip().partition(" ")
+    ok = hmac.compare_digest(token.strip().encode(), expected)  # constant time: a secret
+    return ok and scheme.lower() == "bearer"
+
+
+def unauthorized() -> APIError:
+    return APIError("a valid API key is required (Authorization: Bearer <key>)", status=401,
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def too_large(limit: int, size: int | None) -> APIError:
@@ -36,10 +50,11 @@ async def send_error(send, err: APIError, close: bool) -> None:
 
 @dataclass
 class RequestLimits:
-    """ASGI middleware: max_bytes bounds every body."""
+    """ASGI middleware. api_key guards the paths under /v1; max_bytes bounds every body."""
 
     app: object
     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_key: str | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -55,6 +70,10 @@ class RequestLimits:
         await self.app(scope, body.receive, body.send)
 
     def _refusal(self, scope, headers: dict[str, str]) -> APIError | None:
+        path = scope.get("path", "")
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+            if not bearer_ok(headers.get("authorization", ""), self.api_key.encode()):
+                return unauthorized()
         length = headers.get("content-length", "").strip()
         if length.isdigit() and int(length) > self.max_bytes:
             return too_large(self.max_bytes, int(length))
