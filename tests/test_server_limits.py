@@ -1,5 +1,5 @@
 """What the server refuses before reading a body (graphexec/serve/limits.py): a body over
---max-request-bytes (413), a missing API key (401).
+--max-request-bytes (413), a missing API key (401), a POST that is not JSON (415).
 
 The middleware is driven directly (to see that the body is never read) and through a real
 server process on real sockets (the tiny random-weight preset: no tokenizer, token ids only).
@@ -101,6 +101,19 @@ def test_no_key_is_401_before_any_read_and_only_under_v1():
     assert status == 200
 
 
+def test_a_post_that_is_not_json_is_415_naming_the_content_type():
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=1"):
+        status, _, body, reads = _call({"content-type": ctype}, [b"{}"])
+        assert status == 415 and reads == 0, ctype
+        err = body["error"]
+        assert err["param"] == "Content-Type" and ctype in err["message"], err
+        assert "application/json" in err["message"], err
+    for ctype in ("application/json", "Application/JSON; charset=utf-8", "application/x+json"):
+        assert _call({"content-type": ctype}, [b"{}"])[0] == 200, ctype
+    assert _call({}, [b"{}"])[0] == 200  # no Content-Type: read as JSON, as FastAPI does
+    assert _call({"content-type": "text/plain"}, [b"x"], path="/other")[0] == 200
+
+
 def _raw(srv: Server, head: str, *chunks: bytes, wait: float = 10.0) -> bytes:
     """Sends head and chunks on a socket of its own; returns what came back until close."""
     with socket.create_connection(("127.0.0.1", srv.port), timeout=wait) as s:
@@ -151,6 +164,9 @@ def test_real_server_refuses_before_reading(tiny):
     out = _raw(tiny, _head(None), *[chunk] * 20)
     assert out.startswith(b"HTTP/1.1 413 "), out[:200]
     assert b"request_too_large" in out
+    r = httpx.post(tiny.url + "/v1/completions", content=b'{"model": "tiny"}', headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Type", r.text
     # the server goes on serving, with a body within the limit
     r = httpx.post(tiny.url + "/v1/completions", timeout=30, headers={
         "Authorization": f"Bearer {KEY}"}, json={"model": "tiny", "prompt": [5] * 500,

@@ -1,5 +1,5 @@
 """The FastAPI application: lifespan (the engine loop's start and stop), the checks made before
-a body is read (limits.py: API key and size), and the routes that are not generation
+a body is read (limits.py: API key, size, JSON), and the routes that are not generation
 (/health, /metrics, /v1/models)."""
 from __future__ import annotations
 

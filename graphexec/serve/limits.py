@@ -1,5 +1,5 @@
-"""What is refused before a request's body is read: a missing API key (401) and a body over
---max-request-bytes (413).
+"""What is refused before a request's body is read: a missing API key (401), a body over
+--max-request-bytes (413) and a POST body that is not JSON (415).
 
 A pure ASGI middleware rather than a route dependency: FastAPI reads and parses the whole body
 before dependencies run, so an unauthenticated or oversized body would cost its full read and
@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from .errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
 
 
 def bearer_ok(authorization: str, expected: bytes) -> bool:
@@ -33,6 +39,11 @@ def too_large(limit: int, size: int | None) -> APIError:
     got = f"{size} bytes" if size is not None else "more than that"
     return APIError(f"the request body is {got}; this server accepts at most {limit} bytes "
                     f"(--max-request-bytes)", status=413, code="request_too_large")
+
+
+def not_json(content_type: str) -> APIError:
+    return APIError(f"Content-Type: expected application/json, got {content_type!r}",
+                    status=415, param="Content-Type", code="unsupported_media_type")
 
 
 async def send_error(send, err: APIError, close: bool) -> None:
@@ -71,12 +82,18 @@ class RequestLimits:
 
     def _refusal(self, scope, headers: dict[str, str]) -> APIError | None:
         path = scope.get("path", "")
-        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+        v1 = path == "/v1" or path.startswith("/v1/")  # the API's routes; not /health
+        if self.api_key is not None and v1:
             if not bearer_ok(headers.get("authorization", ""), self.api_key.encode()):
                 return unauthorized()
         length = headers.get("content-length", "").strip()
         if length.isdigit() and int(length) > self.max_bytes:
             return too_large(self.max_bytes, int(length))
+        content_type = headers.get("content-type")
+        # Without this, FastAPI hands such a body on as bytes: "Input should be a valid dict".
+        if v1 and scope.get("method") == "POST" and content_type is not None \
+                and not _is_json(content_type):
+            return not_json(content_type)
         return None
 
 
