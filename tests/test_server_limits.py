@@ -173,3 +173,15 @@ def test_real_server_refuses_before_reading(tiny):
                                                   "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     assert httpx.get(tiny.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("ids", [[True], [3, False], [1.5], [2.0], ["3"]])
+def test_stop_token_ids_take_integers_only(tiny, ids):
+    r = httpx.post(tiny.url + "/v1/completions", timeout=30, headers={
+        "Authorization": f"Bearer {KEY}"}, json={"model": "tiny", "prompt": [5, 6],
+                                                  "max_tokens": 1, "stop_token_ids": ids})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    bad = next(i for i, v in enumerate(ids) if type(v) is not int)
+    assert err["param"] == f"stop_token_ids[{bad}]", err
+    assert "integer" in err["message"] and json.dumps(ids[bad]) in err["message"], err

@@ -1,6 +1,7 @@
 """Errors in the OpenAI wire format: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -55,6 +56,17 @@ def _param_of(loc: tuple) -> str | None:
     return out
 
 
+def _shown(value, limit: int = 40) -> str:
+    """The value as the client wrote it (JSON), cut short: it can be megabytes."""
+    if isinstance(value, str) and len(value) > limit:
+        value = value[:limit]
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -64,6 +76,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
                        code="invalid_json")
     param = _param_of(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid request")
+    if param and "input" in first and first.get("type") != "missing":
+        msg += f", got {_shown(first['input'])}"
     where = f"{param}: " if param else "request body: "
     return invalid(where + msg, param)
 

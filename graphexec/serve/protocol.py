@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class _Body(BaseModel):
@@ -40,7 +40,8 @@ class SamplingFields(_Body):
     user: str | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    # Strict: lax ints would take true as 1 and 2.0 as 2, ids the client never meant.
+    stop_token_ids: list[StrictInt] | None = None
     # Each choice also carries its generated token ids (always exact, whatever the text).
     return_token_ids: bool = False
 
