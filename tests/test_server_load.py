@@ -2,6 +2,8 @@
 one client's work must not stall the others."""
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 
@@ -56,3 +58,43 @@ def test_a_huge_prompt_does_not_stall_health(server, path):
     # The refusal takes the whole tokenising time; /health keeps answering throughout it.
     assert len(probes) >= 3, (took, probes)
     assert max(probes) < took / 4, (took, max(probes))
+
+
+def test_repeated_sigterm_keeps_one_deadline():
+    """A SIGTERM every half second: the drain and its deadline start at the first one, so the
+    open stream is aborted at the shutdown timeout with an error event and [DONE] (not cut by
+    uvicorn's own cap), and the process is gone within the timeout plus 2 s."""
+    timeout = 3.0
+    srv = Server("tiny", "--max-batch", "4", "--shutdown-timeout", str(timeout))
+    body = {"model": "tiny", "prompt": [10, 11, 12, 13], "max_tokens": 1500, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    done = threading.Event()
+    first: list[float] = []
+
+    def signal_repeatedly() -> None:
+        while not done.is_set() and srv.proc.poll() is None and (
+                not first or time.monotonic() - first[0] < 10):
+            srv.proc.send_signal(signal.SIGTERM)
+            first.append(time.monotonic())
+            done.wait(0.5)
+
+    sender = threading.Thread(target=signal_repeatedly)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            sender.start()
+            ends = [ln for ln in lines if ln.startswith("data: ")]
+        code = srv.proc.wait(timeout + 10)
+        exited = time.monotonic() - first[0]
+        done.set()
+        sender.join()
+        assert code == 0, srv.output()
+        assert ends[-1] == "data: [DONE]", ends[-3:]
+        assert json.loads(ends[-2][6:])["error"]["code"] == "shutting_down"
+        assert len(first) >= 4  # more signals came while the stream was draining
+        assert exited < timeout + 2, exited
+        assert "Traceback" not in srv.output(), srv.output()
+    finally:
+        done.set()
+        srv.stop()

@@ -16,6 +16,8 @@ from ..spec import SpeculativeConfig
 from .config import ServeConfig
 from .engine_loop import Phase
 
+log = logging.getLogger("graphexec.serve")
+
 # flag -> EngineConfig field, for the engine options passed through as they are
 _ENGINE_FLAGS = {"device": "device", "dtype": "dtype", "max_batch": "max_batch",
                  "max_model_len": "max_model_len", "num_kv_blocks": "num_kv_blocks",
@@ -140,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     state = app.state.server
 
     def on_exit() -> None:  # in the signal handler: only flag setting and a reentrant put
+        # One deadline, from the first signal: uvicorn counts its own cap from then too, so a
+        # drain re-sent later would abort streams after uvicorn had already cut them.
+        if state.draining:
+            log.info("shutdown already under way; the signal changes nothing")
+            return
         state.draining = True
         state.loop.drain(args.shutdown_timeout)
 
@@ -153,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     # engine failed) rather than death by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
+    # Past here a SIGTERM changes nothing, but Python resets a handler written in Python to the
+    # default (death by SIGTERM) while it finalises: an ignored signal stays ignored.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if state.loop.phase is Phase.FAILED:
         print(f"graphexec-serve: the engine failed: {state.loop.error}", file=sys.stderr)
         sys.exit(1)

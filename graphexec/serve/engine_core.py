@@ -80,7 +80,8 @@ class EngineCore:
         self._send = send
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._abort_at: float | None = None  # set by Drain
+        self._abort_at: float | None = None  # set by the first Drain
+        self._draining = False
 
     def serve(self) -> None:
         """Runs until a Stop (or the HTTP process goes away, which the reader turns into one);
@@ -131,8 +132,10 @@ class EngineCore:
             elif isinstance(cmd, Abort):
                 if cmd.request_id in self._live:
                     self._abort(cmd.request_id)
-            elif isinstance(cmd, Drain):
-                self._abort_at = time.monotonic() + cmd.grace
+            elif isinstance(cmd, Drain):  # a second drain never moves the first's deadline
+                if not self._draining:
+                    self._draining = True
+                    self._abort_at = time.monotonic() + cmd.grace
             elif isinstance(cmd, Stop):
                 stop = True
         return stop
