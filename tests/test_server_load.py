@@ -62,8 +62,9 @@ def test_a_huge_prompt_does_not_stall_health(server, path):
 
 def test_repeated_sigterm_keeps_one_deadline():
     """A SIGTERM every half second: the drain and its deadline start at the first one, so the
-    open stream is aborted at the shutdown timeout with an error event and [DONE] (not cut by
-    uvicorn's own cap), and the process is gone within the timeout plus 2 s."""
+    open stream ends with [DONE] (aborted at the shutdown timeout with an error event, or done
+    before it; never cut by uvicorn's own cap), and the process is gone within the timeout plus
+    2 s."""
     timeout = 3.0
     srv = Server("tiny", "--max-batch", "4", "--shutdown-timeout", str(timeout))
     body = {"model": "tiny", "prompt": [10, 11, 12, 13], "max_tokens": 1500, "stream": True,
@@ -91,7 +92,10 @@ def test_repeated_sigterm_keeps_one_deadline():
         sender.join()
         assert code == 0, srv.output()
         assert ends[-1] == "data: [DONE]", ends[-3:]
-        assert json.loads(ends[-2][6:])["error"]["code"] == "shutting_down"
+        # Aborted at the deadline, or (on a fast machine) finished before it: never cut short.
+        last = json.loads(ends[-2][6:])
+        assert ("error" in last and last["error"]["code"] == "shutting_down") or any(
+            c.get("finish_reason") == "length" for c in last.get("choices", [])), ends[-3:]
         assert len(first) >= 4  # more signals came while the stream was draining
         assert exited < timeout + 2, exited
         assert "Traceback" not in srv.output(), srv.output()
