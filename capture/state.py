@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import StepDelta, Variant  # noqa: F401 (Variant: tools import it from here)
+from ..plan import StepDelta
 
 MAX_STOP_IDS = 16  # ids masked on the device while a row is below min_tokens
 _NEW_ROW_INTS = 6  # seed, min_tokens, top_k, input_id, position, step

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphexec import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from graphexec.kernels import PROJECTIONS  # noqa: E402
-from graphexec.capture.state import Variant  # noqa: E402
+from graphexec.plan import Variant  # noqa: E402
 
 import rank_shapes  # noqa: E402  (tools/, beside this file)
 
