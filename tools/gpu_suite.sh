@@ -34,11 +34,12 @@ if has tune; then
     2>&1 | tee "$OUT/tune_linear.log" | grep -v "^ " | tail -40
 fi
 if has variants; then  # tools/lab/decode_variants.py: whole decode steps, a process each
-  for v in ${VARIANTS:-shipped down1024 norm2048 norm4x2048}; do
-    timeout 120 python3 tools/lab/decode_variants.py $v ${VARIANT_ARGS:-} 2>&1 | grep '"variant"'
-  done | tee -a "$OUT/decode_variants.log"
-  for v in ${VARIANTS_B64:-shipped down-triton lmhead-triton both-triton}; do
-    timeout 120 python3 tools/lab/decode_variants.py $v --batch 64 2>&1 | grep '"variant"'
+  # VARIANTS: space-separated tuning-table entries to try, one run each ("-" is the table as
+  # shipped), e.g. VARIANTS="- linear.auto_max_rows=8"
+  for v in ${VARIANTS:--}; do
+    set_arg=(); [ "$v" != "-" ] && set_arg=(--set "$v")
+    timeout 120 python3 tools/lab/decode_variants.py "${set_arg[@]}" ${VARIANT_ARGS:-} 2>&1 \
+      | grep '"set"'
   done | tee -a "$OUT/decode_variants.log"
 fi
 if has kernels; then
