@@ -138,10 +138,13 @@ class Engine:
         prompt = self._validate_prompt(request_id, prompt_token_ids)
         self._check_fits(request_id, len(prompt), params.max_tokens)
         vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:  # it would index past the logits row on the device
-            raise ValueError(f"stop_token_ids for {request_id!r} holds token id {bad}, outside "
-                             f"the vocabulary [0, {vocab})")
+        outside = params.token_ids_outside(vocab)
+        if outside is not None:  # it would index past the logits row on the device
+            raise ValueError(f"{outside[0]} for {request_id!r} holds token id {outside[1]}, "
+                             f"outside the vocabulary [0, {vocab})")
+        if params.uses_penalties and self.runner.k:
+            raise ValueError(f"request {request_id!r}: penalties, logit_bias and min_p are not "
+                             "supported with speculative decoding yet")
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         if params.min_tokens and len(stop_ids) > 16:
