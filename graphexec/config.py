@@ -43,6 +43,10 @@ class EngineConfig:
     # that computes what the target computes is then accepted every time, in bf16 too.
     batch_invariant: bool = False
     speculative: object | None = None  # a SpeculativeConfig
+    # Weights quantized online at load (the vLLM name): None / "none", "fp8" (e4m3, a scale per
+    # output channel), "int4" (groups of 128 along K, symmetric) or "int4_asym" (zero points).
+    # A quantized checkpoint loads as stored whatever this says (graphexec/model/quantize.py).
+    quantization: str | None = None
     # Ranks the model is split over (the vLLM name): one process each, rank 0 this one; on
     # CUDA one device each, from `device` on (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
@@ -120,7 +124,13 @@ class EngineConfig:
 
         if self.projections not in PROJECTIONS:
             raise ValueError(f"projections={self.projections!r} is not one of {PROJECTIONS}")
+        from .model.quantize import check_quantization
+
+        self.quantization = check_quantization(self.quantization)
         if self.batch_invariant:
+            if self.quantization is not None:
+                raise ValueError("batch_invariant=True runs dense weights only, got "
+                                 f"quantization={self.quantization!r}")
             if not cuda or self.use_triton is False:
                 raise ValueError("batch_invariant=True needs the Triton kernels on a CUDA "
                                  f"device, got device={self.device}, use_triton={self.use_triton}")

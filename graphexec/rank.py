@@ -9,8 +9,9 @@ from typing import Callable
 import torch
 
 from .config import EngineConfig
-from .kernels import select_ops
+from .kernels import quantized_ops, select_ops
 from .model import KVCache, LlamaModel, ModelConfig, ModelSource, load_model
+from .model.quantize import is_quantized
 from .model.shard import UNSHARDED, Shard
 from .plan import Variant
 from .runner import ModelRunner
@@ -38,13 +39,19 @@ def resolve_max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
 
 def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shard = UNSHARDED,
                make_runner: Callable[..., ModelRunner] = ModelRunner) -> Rank:
-    whole, weights = load_model(source, cfg.device, cfg.dtype, seed=cfg.seed, shard=shard)
+    whole, weights = load_model(source, cfg.device, cfg.dtype, seed=cfg.seed, shard=shard,
+                                quantization=cfg.quantization)
     mc = shard.config(whole)
     num_blocks = _num_kv_blocks(cfg, mc, max_len)
     if shard.sharded:  # block ids are shared: every rank's cache has the smallest one's size
         num_blocks = _min_over_ranks(num_blocks, cfg.device)
     kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
     ops = select_ops(cfg.device, cfg.use_triton, cfg.projections, cfg.batch_invariant)
+    if is_quantized(weights):  # online, or a quantized checkpoint's as stored
+        if cfg.batch_invariant:
+            raise ValueError(f"batch_invariant=True runs dense weights only; model="
+                             f"{cfg.model!r} is quantized")
+        ops = quantized_ops(ops, cfg.device, cfg.use_triton)
     # positions past the limit: the extra step after a finish, and K draft positions
     spec = cfg.speculative
     k = spec.num_tokens if spec is not None else 0

@@ -131,3 +131,11 @@ def select_ops(device: torch.device, use_triton: bool | None = None,
             raise
         return REFERENCE_OPS
     return op_set(projections, batch_invariant, tuning_for(device))
+
+
+def quantized_ops(base: Ops, device: torch.device, use_triton: bool | None = None) -> Ops:
+    """base whose projections also take a QuantizedWeight (kernels/quant_ops.py), by the
+    PyTorch references."""
+    from .quant_ops import quantized_reference_ops
+
+    return quantized_reference_ops(base)

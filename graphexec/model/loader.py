@@ -13,6 +13,7 @@ from .config import PRESETS, ModelConfig, preset
 from .gguf import GGUFFile, config_from_gguf, load_gguf_weights, open_gguf
 from .layer_walk import TensorNames, walk_weights
 from .llama import LayerWeights, ModelWeights
+from .quantize import check_quantization, quantize_weights
 from .shard import COLUMN_PARALLEL, ROW_PARALLEL, UNSHARDED, Shard
 
 
@@ -93,16 +94,21 @@ def read_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               seed: int = 0, shard: Shard = UNSHARDED) -> tuple[ModelConfig, ModelWeights]:
+               seed: int = 0, shard: Shard = UNSHARDED, quantization: str | None = None
+               ) -> tuple[ModelConfig, ModelWeights]:
     """The whole model's config and the weights of one tensor-parallel rank (`shard`; all of
-    them by default): shard.config(config) is the shape those weights compute."""
+    them by default): shard.config(config) is the shape those weights compute. quantization:
+    the projections quantized online (model/quantize.py); a quantized checkpoint's stay as
+    stored."""
     mc = read_model_config(source)
     shard.check(mc, source.path)
     if source.kind == "gguf":
-        return mc, load_gguf_weights(_gguf(source), mc, device, dtype, shard)
-    if source.kind == "hf":
-        return mc, load_weights(source.path, mc, device, dtype, shard)
-    return mc, random_weights(mc, device, dtype, seed=seed, shard=shard)
+        weights = load_gguf_weights(_gguf(source), mc, device, dtype, shard)
+    elif source.kind == "hf":
+        weights = load_weights(source.path, mc, device, dtype, shard)
+    else:
+        weights = random_weights(mc, device, dtype, seed=seed, shard=shard)
+    return mc, quantize_weights(weights, check_quantization(quantization))
 
 
 def _gguf(source: ModelSource) -> GGUFFile:

@@ -1,0 +1,183 @@
+"""QuantizedWeight: a projection weight kept in a compressed form, and the round-to-nearest
+quantizers that make one from a dense weight at load.
+
+Two formats, the ones people deploy on H100s and the ones compressed-tensors checkpoints hold:
+
+- "fp8": float8_e4m3fn [N, K] with one fp32 scale per output channel (w ~ q * scale[n]); a
+  per-tensor scale from a checkpoint is broadcast to every channel, so kernels see one layout.
+- "int4": [N, K / 8] int32, eight 4-bit values a word (value j of a word at bits 4j..4j+3,
+  stored as q + 8 so a nibble is unsigned: compressed-tensors' pack-quantized layout, so a
+  checkpoint loads without repacking), groups of `group_size` along K with one fp32 scale each
+  (w ~ (q - zero) * scale), and for the asymmetric kind a signed int8 zero point per group.
+
+A QuantizedWeight stands where a weight tensor stands (LayerWeights, the projection ops): it
+answers shape, numel(), dim(), device, dtype (the activation dtype it dequantizes to) and
+nbytes. Op sets dispatch on its type (kernels/quant_ops.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+FORMATS = ("fp8", "int4")
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+INT4_MIN, INT4_MAX = -8, 7
+PACK = 8  # int4 values per int32 word
+DEFAULT_GROUP_SIZE = 128
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    format: str  # "fp8" or "int4"
+    data: torch.Tensor  # fp8: [N, K] float8_e4m3fn; int4: [N, K // 8] int32
+    scale: torch.Tensor  # fp32; fp8: [N]; int4: [N, K // group_size]
+    zero: torch.Tensor | None = None  # int4 asymmetric: [N, K // group_size] int8
+    group_size: int = 0  # int4 only
+    out_dtype: torch.dtype = torch.bfloat16  # the activation dtype it dequantizes to
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} is not one of {FORMATS}")
+        n = self.data.shape[0]
+        if self.format == "fp8":
+            if self.data.dtype != torch.float8_e4m3fn or self.scale.shape != (n,):
+                raise ValueError(f"fp8 weight: data {self.data.dtype} {tuple(self.data.shape)}"
+                                 f", scale {tuple(self.scale.shape)}: want float8_e4m3fn "
+                                 f"[N, K] and [N]")
+            return
+        k = self.data.shape[1] * PACK
+        g = self.group_size
+        if self.data.dtype != torch.int32 or g < 1 or k % g:
+            raise ValueError(f"int4 weight: data {self.data.dtype} {tuple(self.data.shape)}, "
+                             f"group_size={g}: want int32 [N, K / 8], groups dividing K")
+        if self.scale.shape != (n, k // g) or (
+                self.zero is not None and self.zero.shape != (n, k // g)):
+            raise ValueError(f"int4 weight: scale {tuple(self.scale.shape)}, zero "
+                             f"{None if self.zero is None else tuple(self.zero.shape)}: "
+                             f"want [{n}, {k // g}]")
+
+    @property
+    def shape(self) -> torch.Size:
+        n, cols = self.data.shape
+        return torch.Size((n, cols * PACK if self.format == "int4" else cols))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out_dtype
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        n, k = self.shape
+        return n * k
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a projection reads: data, scales and zero points."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.data, self.scale, self.zero) if t is not None)
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output channels start..stop, with their scales (and zero points)."""
+        return replace(self, data=self.data[start:stop].contiguous(),
+                       scale=self.scale[start:stop].contiguous(),
+                       zero=None if self.zero is None else self.zero[start:stop].contiguous())
+
+    def cols(self, start: int, stop: int) -> QuantizedWeight:
+        """Input columns start..stop: fp8 scales are per row and stay; int4 keeps whole groups,
+        so a slice that would cut one is a ValueError."""
+        if self.format == "fp8":
+            return replace(self, data=self.data[:, start:stop].contiguous())
+        g = self.group_size
+        if start % g or stop % g:
+            raise ValueError(f"int4 weight of group_size={g}: a slice of input columns "
+                             f"{start}..{stop} would split a group between two ranks")
+        return replace(self, data=self.data[:, start // PACK:stop // PACK].contiguous(),
+                       scale=self.scale[:, start // g:stop // g].contiguous(),
+                       zero=None if self.zero is None
+                       else self.zero[:, start // g:stop // g].contiguous())
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one format stacked by output channel (q, k, v into qkv; gate, up)."""
+    first = parts[0]
+    if any(p.format != first.format or p.group_size != first.group_size
+           or (p.zero is None) != (first.zero is None) for p in parts):
+        raise ValueError("stacked projections must share one quantization format and group "
+                         f"size, got {[(p.format, p.group_size) for p in parts]}")
+    return replace(first, data=torch.cat([p.data for p in parts]),
+                   scale=torch.cat([p.scale for p in parts]),
+                   zero=None if first.zero is None else torch.cat([p.zero for p in parts]))
+
+
+def quantize_fp8(w: torch.Tensor, out_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """Per output channel: scale = max|w| / 448 over the channel, q = w / scale rounded to the
+    nearest e4m3 value (a zero channel gets scale 1)."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight("fp8", q, scale, out_dtype=out_dtype or w.dtype)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                  symmetric: bool = True, out_dtype: torch.dtype | None = None
+                  ) -> QuantizedWeight:
+    """Groups of group_size along K, round to nearest. Symmetric: scale = max|w| / 7.5 over
+    the group (so the range spans -8..7 like the codes), q = clamp(round(w / scale), -8, 7).
+    Asymmetric: scale = (max - min) / 15 with min <= 0 <= max, zero = clamp(-8 - round(min /
+    scale)), q = clamp(round(w / scale) + zero)."""
+    n, k = w.shape
+    if group_size < 1 or k % group_size or group_size % PACK:
+        raise ValueError(f"group_size={group_size} must be a multiple of {PACK} dividing the "
+                         f"input dim {k}")
+    g = w.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scale = g.abs().amax(dim=2) / ((INT4_MAX - INT4_MIN) / 2)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(g / scale[..., None]).clamp(INT4_MIN, INT4_MAX)
+        zero = None
+    else:
+        lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
+        scale = (hi - lo) / (INT4_MAX - INT4_MIN)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = (INT4_MIN - torch.round(lo / scale)).clamp(INT4_MIN, INT4_MAX)
+        q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(INT4_MIN, INT4_MAX)
+        zero = zero.to(torch.int8)
+    return QuantizedWeight("int4", pack_int4(q.reshape(n, k).to(torch.int8)), scale, zero,
+                           group_size, out_dtype=out_dtype or w.dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes in -8..7, [N, K] -> [N, K / 8] int32 (value j of a word at bits 4j)."""
+    n, k = q.shape
+    u = (q.to(torch.int64) + 8).reshape(n, k // PACK, PACK)
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int64, device=q.device)
+    words = (u << shifts).sum(dim=2)
+    # the word's bit pattern as a signed int32 (the top nibble reaches the sign bit)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K / 8] int32 -> [N, K] int8 codes in -8..7."""
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=packed.device)
+    u = (packed[..., None] >> shifts) & 0xF
+    return (u - 8).reshape(packed.shape[0], -1).to(torch.int8)
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype` (default the activation dtype), computed in fp32."""
+    dtype = dtype or w.out_dtype
+    if w.format == "fp8":
+        return (w.data.float() * w.scale[:, None]).to(dtype)
+    q = unpack_int4(w.data).float()
+    n, k = q.shape
+    q = q.reshape(n, k // w.group_size, w.group_size)
+    if w.zero is not None:
+        q = q - w.zero.float()[..., None]
+    return (q * w.scale[..., None]).reshape(n, k).to(dtype)

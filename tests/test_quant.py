@@ -1,0 +1,69 @@
+"""kernels/quant.py: the formats' layout against compressed-tensors' packing, the quantizers'
+error bounds, and slicing by channels and groups (tensor parallelism)."""
+import pytest
+import torch
+
+from kernels.quant import (QuantizedWeight, cat_rows, dequantize, pack_int4, quantize_fp8,
+                           quantize_int4, unpack_int4)
+
+
+def test_int4_packing_is_compressed_tensors_layout():
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    q = torch.randint(-8, 8, (5, 256), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pack_int4(q), helpers.pack_to_int32(q, 4))
+    assert torch.equal(unpack_int4(helpers.pack_to_int32(q, 4)), q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_channel_scale_and_error(dtype):
+    w = (torch.randn(16, 256) * torch.linspace(0.01, 3, 16)[:, None]).to(dtype)
+    qw = quantize_fp8(w)
+    assert qw.shape == w.shape and qw.dtype == dtype and qw.numel() == w.numel()
+    torch.testing.assert_close(qw.scale, w.float().abs().amax(1) / 448)
+    err = (dequantize(qw, torch.float32) - w.float()).abs()
+    # e4m3 keeps 3 mantissa bits: at most half a step, 1/16 of the value, per element
+    assert (err <= w.float().abs() / 16 + 1e-6).all()
+    assert qw.nbytes == 16 * 256 + 16 * 4
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_groups_and_error(symmetric, group):
+    w = torch.randn(8, 512) + (0 if symmetric else 0.7)
+    qw = quantize_int4(w, group, symmetric)
+    assert qw.data.shape == (8, 64) and qw.scale.shape == (8, 512 // group)
+    assert (qw.zero is None) == symmetric
+    err = (dequantize(qw) - w).abs().reshape(8, -1, group)
+    assert (err <= qw.scale[..., None] / 2 + 1e-5).all()  # round to nearest: half a step
+
+
+def test_asymmetric_is_tighter_on_shifted_weights():
+    w = torch.rand(8, 256) + 1.0  # all positive: symmetric wastes the negative codes
+    sym = (dequantize(quantize_int4(w)) - w).abs().mean()
+    asym = (dequantize(quantize_int4(w, symmetric=False)) - w).abs().mean()
+    assert asym < sym / 1.5
+
+
+def test_rows_and_cols_slice_with_their_scales():
+    w = torch.randn(12, 512)
+    for qw in (quantize_fp8(w), quantize_int4(w, 128, False)):
+        whole = dequantize(qw)
+        torch.testing.assert_close(dequantize(qw.rows(4, 8)), whole[4:8], rtol=0, atol=0)
+        torch.testing.assert_close(dequantize(qw.cols(256, 512)), whole[:, 256:],
+                                   rtol=0, atol=0)
+        stacked = cat_rows([qw.rows(0, 4), qw.rows(4, 12)])
+        torch.testing.assert_close(dequantize(stacked), whole, rtol=0, atol=0)
+
+
+def test_a_slice_through_a_group_is_a_value_error():
+    with pytest.raises(ValueError, match="split a group"):
+        quantize_int4(torch.randn(4, 256)).cols(0, 192)
+
+
+def test_bad_layouts_are_value_errors():
+    with pytest.raises(ValueError, match="format"):
+        QuantizedWeight("int8", torch.zeros(2, 2), torch.ones(2))
+    with pytest.raises(ValueError, match="fp8 weight"):
+        QuantizedWeight("fp8", torch.zeros(2, 2), torch.ones(2))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int4(torch.randn(4, 200), 128)
