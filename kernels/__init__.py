@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from . import advance, attention, linear, rmsnorm, rope, sampling
+from . import advance, attention, linear, penalties, rmsnorm, rope, sampling
 from .tuning import tuning_for
 
 
@@ -61,6 +61,12 @@ class Ops:
     # its norm sums the squares in another order than the norm kernel, so a row's bits would
     # depend on the step's token count: a batch-invariant set says no.
     all_reduce_norm: bool = True
+    # Penalties, logit bias and min_p, and the token counts they read (kernels/penalties.py):
+    # only the steps of the `penalties` variant call them.
+    apply_logit_bias: Callable = penalties.apply_logit_bias_ref
+    apply_penalties: Callable = penalties.apply_penalties_ref
+    apply_min_p: Callable = penalties.apply_min_p_ref
+    count_tokens: Callable = penalties.count_tokens_ref
 
 
 @dataclass(frozen=True)

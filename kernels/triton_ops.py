@@ -33,7 +33,8 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _interpreter_compat()
 
 from . import (advance_triton, attention_decode_triton, attention_prefill_triton,  # noqa: E402
-               linear_triton, norm_rope_triton, sampling_triton, stop_tokens_triton)
+               linear_triton, norm_rope_triton, penalties_triton, sampling_triton,
+               stop_tokens_triton)
 from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
@@ -60,6 +61,10 @@ TRITON_OPS = Ops(
     norm_linear=linear_triton.norm_then_linear,
     silu_mul_linear=linear_triton.silu_mul_then_linear,
     rope_decode_attention=attention_decode_triton.rope_decode_attention,
+    apply_logit_bias=penalties_triton.apply_logit_bias,
+    apply_penalties=penalties_triton.apply_penalties,
+    apply_min_p=penalties_triton.apply_min_p,
+    count_tokens=penalties_triton.count_tokens,
 )
 
 

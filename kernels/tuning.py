@@ -182,6 +182,10 @@ class SamplingTuning:
     fb_radix_bits: int = 2  # bits of the threshold the fallback settles per pass over the row
     chunk_warps: int = 4
     select_warps: int = 16  # kernel 2: more warps hide the fallback passes' latency
+    # Penalties and min_p (kernels/penalties_triton.py): vocabulary entries a program (a pass
+    # of min_p's) takes, and its warps.
+    penalty_block: int = 2048
+    penalty_warps: int = 4
 
 
 @dataclass(frozen=True)

@@ -444,3 +444,27 @@ def test_the_lm_head_lands_its_tiles_and_releases_one_arrival_a_program(compiled
     assert re.search(r"ld\.acquire\.sys\.global\.u64", wait)
     assert "%globaltimer" in wait and re.search(r"\btrap;", wait)
     assert not re.search(r"\b(ld|st)\.global", _before_wait(wait)), "memory before PDL wait"
+
+
+def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
+    """The penalties' kernels (kernels/penalties_triton.py) compile for sm_90 and, launched as
+    programmatic dependents, read nothing before the wait: the logits and counts they touch
+    come from the kernels before them."""
+    from graphexec.kernels import pdl, penalties_triton as pt
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
+    t, v, s = 4, 128256, 9
+    logits, slots = _bf16(t, v), torch.arange(t)
+    pt.apply_logit_bias(logits, slots, torch.zeros(s, 300, dtype=torch.int32),
+                        torch.zeros(s, 300))
+    counts = torch.zeros(s, v, dtype=torch.int32)
+    pt.apply_penalties(logits, slots, counts, torch.zeros(s, v, dtype=torch.bool),
+                       torch.zeros(s), torch.zeros(s), torch.ones(s))
+    pt.apply_min_p(logits, slots, torch.rand(t), torch.zeros(s))
+    pt.count_tokens(counts, slots, torch.arange(t), torch.ones(t, dtype=torch.bool))
+    want = {"_bias_kernel", "_penalty_kernel", "_min_p_kernel", "_count_kernel"}
+    kernels = [(name, k) for name, k in compiled if name in want]
+    assert {name for name, _ in kernels} == want
+    for name, kernel in kernels:
+        assert kernel.metadata.launch_pdl, name
+        assert not re.search(r"ld\.global|st\.global", _before_wait(kernel.asm["ptx"])), name
