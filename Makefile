@@ -17,6 +17,9 @@ endif
 
 install-test: install
 	$(PYTHON) -m pip install -q pytest hypothesis "transformers>=4.45" accelerate openai httpx
+# compressed-tensors writes the quantized checkpoints the loader is tested against. --no-deps:
+# it asks for torch>=2.10 unpinned; its light dependencies (pydantic comes with fastapi) by hand.
+	$(PYTHON) -m pip install -q --no-deps "compressed-tensors==0.20.0" loguru psutil
 # Without a GPU, Triton's interpreter and its sm_90 compiler still run the kernel tests.
 ifneq ($(HAS_CUDA),1)
 	$(PYTHON) -m pip install -q "triton>=3.3"

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from ..kernels.quant import QuantizedWeight, cat_rows
 from .config import ModelConfig
 from .llama import LayerWeights, ModelWeights
 from .shard import COLUMN_PARALLEL, ROW_PARALLEL
@@ -66,9 +67,9 @@ def walk_weights(src: TensorSource, names: TensorNames, config: ModelConfig,
         gate = src.get(p + n.gate, (inter, hid), col)
         up = src.get(p + n.up, (inter, hid), col)
         layers.append(LayerWeights(
-            qkv=torch.cat([q, k, v]),
+            qkv=_stack([q, k, v]),
             o=src.get(p + n.o, (hid, c.q_size), row),
-            gate_up=torch.cat([gate, up]),
+            gate_up=_stack([gate, up]),
             down=src.get(p + n.down, (hid, inter), row),
             input_norm=src.get(p + n.input_norm, (hid,)),
             post_norm=src.get(p + n.post_norm, (hid,)),
@@ -87,3 +88,14 @@ def walk_weights(src: TensorSource, names: TensorNames, config: ModelConfig,
         lm_head = src.get(n.lm_head, (c.vocab_size, hid))
     return ModelWeights(embed=embed, layers=layers, norm=src.get(n.norm, (hid,)),
                         lm_head=lm_head)
+
+
+def _stack(parts: list) -> torch.Tensor | QuantizedWeight:
+    """Projections stacked by output rows (q, k, v; gate, up), dense or quantized alike."""
+    quantized = [isinstance(p, QuantizedWeight) for p in parts]
+    if all(quantized):
+        return cat_rows(parts)
+    if any(quantized):
+        raise ValueError("the projections stacked into one (q, k, v or gate, up) are "
+                         "quantized in some parts and dense in others")
+    return torch.cat(parts)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compressed import CompressedSource, read_scheme
 from .config import PRESETS, ModelConfig, preset
 from .gguf import GGUFFile, config_from_gguf, load_gguf_weights, open_gguf
 from .layer_walk import TensorNames, walk_weights
@@ -141,12 +142,26 @@ class _TensorSource:
         self.weight_map = weight_map
         self.path, self.device, self.dtype, self.shard = path, device, dtype, shard
 
-    def get(self, name: str, shape: tuple[int, ...], split: int | None = None) -> torch.Tensor:
-        """The tensor, or with `split` (a dim) this rank's slice of it: only that slice is read
-        from the file."""
+    def _file(self, name: str) -> str:
         fn = self.weight_map.get(name)
         if fn is None:
             raise ValueError(f"model={self.path!r}: tensor {name!r} is missing from the checkpoint")
+        return fn
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The whole tensor on the device, in the dtype the file stores (quantized weights)."""
+        fn = self._file(name)
+        try:
+            t = self.handles[fn].get_tensor(name)
+        except Exception as e:  # SafetensorError: data past the end of a cut file
+            raise ValueError(f"{os.path.join(self.path, fn)!r}: tensor {name!r} cannot be "
+                             f"read, the file is corrupt or cut short ({e})") from e
+        return t.to(device=self.device)
+
+    def get(self, name: str, shape: tuple[int, ...], split: int | None = None) -> torch.Tensor:
+        """The tensor, or with `split` (a dim) this rank's slice of it: only that slice is read
+        from the file."""
+        fn = self._file(name)
         try:
             whole = self.handles[fn].get_slice(name)
             found = tuple(whole.get_shape())
@@ -206,7 +221,12 @@ HF_NAMES = TensorNames(
 
 def load_weights(path: str, config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, shard: Shard = UNSHARDED) -> ModelWeights:
-    return walk_weights(_TensorSource(path, device, dtype, shard), HF_NAMES, config, path)
+    """A quantized checkpoint's projections come back as stored (model/compressed.py)."""
+    src = _TensorSource(path, device, dtype, shard)
+    scheme = read_scheme(path)
+    if scheme is not None:
+        src = CompressedSource(src, scheme, dtype)
+    return walk_weights(src, HF_NAMES, config, path)
 
 
 # fp32 elements drawn at once by random_weights (256 MiB)

@@ -60,16 +60,18 @@ def is_quantized(weights: ModelWeights) -> bool:
 def weight_bytes(weights: ModelWeights) -> int:
     """The bytes a decode step reads for weights: every projection as stored, the norms and the
     LM head (the embedding rows gathered are negligible; a tied table counts once)."""
-    total = weights.lm_head.numel() * weights.lm_head.element_size()
-    total += weights.norm.numel() * weights.norm.element_size()
+    total = _nbytes(weights.lm_head) + _nbytes(weights.norm)
     for layer in weights.layers:
-        for t in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm,
-                  layer.post_norm, layer.qkv_bias, layer.q_norm, layer.k_norm):
-            if isinstance(t, QuantizedWeight):
-                total += t.nbytes
-            elif t is not None:
-                total += t.numel() * t.element_size()
+        total += sum(_nbytes(t) for t in (
+            layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm,
+            layer.qkv_bias, layer.q_norm, layer.k_norm))
     return total
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
 
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "quantize_weights", "is_quantized",
