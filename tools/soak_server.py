@@ -3,7 +3,9 @@
 Open-loop Poisson arrivals at --rate for --duration seconds, a mix of streamed and non-streamed
 completions (token-id prompts, ignore_eos, so every finished request must carry exactly
 max_tokens tokens), some clients hanging up mid-stream or mid-wait. Refusals (503, the queue
-is full) are expected above capacity and counted apart. Throughout, the server's RSS (its
+is full) are expected above capacity and counted apart. Hostile clients (tools/hostile_clients.py:
+slow headers, dripped bodies, malformed requests, garbage, vanishing mid-request) arrive beside
+them at --hostile-rate; each must get its 4xx or have its connection cut. Throughout, the server's RSS (its
 engine process included) and /health are sampled. At the end: every request must have an outcome (none lost, none hung), the engine
 must drain to zero running / waiting / KV blocks, and (when this script started the server)
 SIGTERM must end it with status 0.
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from hostile_clients import Hostile
+
 
 @dataclass
 class Tally:
@@ -39,6 +43,7 @@ class Tally:
     ttfts: list[float] = field(default_factory=list)  # completed streams
     tokens: int = 0
     problems: list[str] = field(default_factory=list)  # the first few, for the summary
+    hostile: Hostile | None = None
 
     def fail(self, kind: str, detail: str) -> None:
         self.outcomes[kind] += 1
@@ -193,6 +198,17 @@ async def sample(url: str, pid: int | None, stop: asyncio.Event, samples: Sample
                 pass
 
 
+async def hostile_arrivals(args, hostile: Hostile, until: float) -> None:
+    """Hostile clients at --hostile-rate until `until`; returns once every one has ended."""
+    rng = random.Random(args.seed + 1)
+    tasks = set()
+    while time.monotonic() < until:
+        await asyncio.sleep(rng.expovariate(args.hostile_rate))
+        tasks.add(asyncio.create_task(hostile.one(random.Random(rng.random()))))
+    if tasks:
+        await asyncio.wait(tasks)
+
+
 async def drive(args, url: str, pid: int | None) -> tuple[Tally, Samples, dict, float]:
     rng = random.Random(args.seed)
     tally, samples = Tally(), Samples()
@@ -201,6 +217,10 @@ async def drive(args, url: str, pid: int | None) -> tuple[Tally, Samples, dict, 
     stop = asyncio.Event()
     t0 = time.monotonic()
     sampler = asyncio.create_task(sample(url, pid, stop, samples, t0))
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    hostile = Hostile(host, int(port), args.model, args.api_key, args.hostile_close_within)
+    attackers = asyncio.create_task(hostile_arrivals(
+        args, hostile, t0 + args.duration)) if args.hostile_rate > 0 else None
     tasks: set[asyncio.Task] = set()
     async with httpx.AsyncClient(base_url=url + "/v1", headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.request_timeout)) as client:
@@ -231,6 +251,9 @@ async def drive(args, url: str, pid: int | None) -> tuple[Tally, Samples, dict, 
         lost = len([t for t in tasks if not t.done()])
         if lost:
             tally.fail("lost", f"{lost} requests never ended")
+        if attackers is not None:
+            await attackers
+    tally.hostile = hostile
     elapsed = time.monotonic() - t0
     final = await drained(url, headers)
     stop.set()
@@ -308,6 +331,13 @@ def summarize(args, tally: Tally, samples: Samples, final: dict, elapsed: float,
               f"{max(v for _, v in rss):.0f}, end {rss[-1][1]:.0f}; second half "
               f"{slope:+.1f} MiB/min")
     print(f"/health: {samples.health_ok} ok, not ok: {dict(samples.health_bad)}")
+    hostile_failed = 0
+    if tally.hostile is not None:
+        h = tally.hostile
+        hostile_failed = sum(v for k, v in h.outcomes.items() if k.endswith(":FAIL"))
+        print(f"hostile clients: {dict(sorted(h.outcomes.items()))}; failed {hostile_failed}")
+        for p in h.problems:
+            print("  ", p)
     print(f"after the run: {final}")
     drained_ok = all(final.get(n) == 0 for n in ("graphexec_requests_running",
                                                   "graphexec_requests_waiting",
@@ -316,7 +346,7 @@ def summarize(args, tally: Tally, samples: Samples, final: dict, elapsed: float,
         print(f"server exit status after SIGTERM: {exit_code}")
     for p in tally.problems:
         print("  ", p)
-    ok = bad == 0 and drained_ok and not samples.health_bad and exit_code in (None, 0)
+    ok = bad == 0 and hostile_failed == 0 and drained_ok and not samples.health_bad and exit_code in (None, 0)
     print("PASS" if ok else "FAIL")
     return ok
 
@@ -327,7 +357,8 @@ def main() -> None:
     ap.add_argument("--pid", type=int, default=None, help="its pid, for RSS (with --url)")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--server-args", default="--max-batch 32 --max-queue 64 --num-kv-blocks 256",
+    ap.add_argument("--server-args", default="--max-batch 32 --max-queue 64 --num-kv-blocks 256 "
+                    "--timeout-headers 5 --timeout-body 10",
                     help="extra flags for a server this script starts")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--duration", type=float, default=600.0)
@@ -341,6 +372,11 @@ def main() -> None:
     ap.add_argument("--max-inflight", type=int, default=400, help="client-side cap")
     ap.add_argument("--request-timeout", type=float, default=120.0,
                     help="a request without an answer by then counts as hung")
+    ap.add_argument("--hostile-rate", type=float, default=2.0,
+                    help="hostile clients per second (0: none)")
+    ap.add_argument("--hostile-close-within", type=float, default=20.0,
+                    help="seconds by which the server must have answered or cut a hostile "
+                         "client: its longest read timeout plus slack")
     ap.add_argument("--report-every", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

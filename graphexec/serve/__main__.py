@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..spec import SpeculativeConfig
 from .config import ServeConfig
 from .engine_loop import Phase
+from .timeouts import ReadTimeouts, protocol_class
 
 log = logging.getLogger("graphexec.serve")
 
@@ -45,6 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="request bodies above this are refused with 413 before they are "
                          "read (default 8 MiB: a 128K-token prompt is about 0.5 MB as text "
                          "and 1 MB as token ids, and \\u escapes can make text 6x longer)")
+    ap.add_argument("--timeout-headers", type=float, default=ReadTimeouts.headers,
+                    help="seconds a client may take to send a request's headers before it "
+                         "gets a 408 and its connection is closed")
+    ap.add_argument("--timeout-body", type=float, default=ReadTimeouts.body,
+                    help="seconds a client may take to send a request's body, once its "
+                         "headers are in, before it gets a 408")
+    ap.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                    help="seconds an idle kept-alive connection stays open between requests")
     ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
     ap.add_argument("--dtype", default=None, help="bfloat16, float16, float32")
     ap.add_argument("--max-batch", type=int, default=None, help="rows decoded together")
@@ -123,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
     opts = engine_options(args, ap_error)
+    try:
+        timeouts = ReadTimeouts(headers=args.timeout_headers, body=args.timeout_body)
+    except ValueError as e:
+        ap_error(str(e))
+    if not args.timeout_keep_alive > 0:
+        ap_error(f"--timeout-keep-alive must be positive, got {args.timeout_keep_alive}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServeConfig(model=args.model, served_model_name=args.served_model_name or args.model,
@@ -153,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     # Uvicorn waits for open requests a little past our own abort at shutdown_timeout, so
     # that the streams aborted then still end with an error event and [DONE], not a cut.
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        access_log=False, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                        access_log=False, timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                        http=protocol_class(timeouts),
+                        timeout_keep_alive=args.timeout_keep_alive)
     server = _Server(uv, on_exit)
     # Uvicorn re-raises the shutdown signal once it has finished, to whatever handler was
     # there before it: a no-op here, so a graceful shutdown ends with exit status 0 (1 if the

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from .body import json_body
 from .generation import ClientGone, Generation, GenerationStream, Job, until_disconnect
 from .params import chat_fields, check_common, sampling_params
 from .prompts import chat_prompt
@@ -19,7 +20,9 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(
+        request: Request,
+        body: ChatCompletionRequest = json_body(ChatCompletionRequest)) -> Response:
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     check_common(body)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from .body import json_body
 from .generation import ClientGone, Generation, GenerationStream, Job, until_disconnect
 from .params import COMPLETION_FIELDS, check_common, sampling_params
 from .prompts import completion_prompts
@@ -19,7 +20,8 @@ router = APIRouter()
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+async def create_completion(
+        request: Request, body: CompletionRequest = json_body(CompletionRequest)) -> Response:
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     check_common(body)
