@@ -140,8 +140,10 @@ def select_ops(device: torch.device, use_triton: bool | None = None,
 
 
 def quantized_ops(base: Ops, device: torch.device, use_triton: bool | None = None) -> Ops:
-    """base whose projections also take a QuantizedWeight (kernels/quant_ops.py), by the
-    PyTorch references."""
-    from .quant_ops import quantized_reference_ops
+    """base whose projections also take a QuantizedWeight (kernels/quant_ops.py): the Triton
+    W8A16 / W4A16 kernels where base is a Triton set, the PyTorch references elsewhere."""
+    from .quant_ops import quantized_reference_ops, quantized_triton_ops
 
-    return quantized_reference_ops(base)
+    if base is REFERENCE_OPS or device.type != "cuda" or use_triton is False:
+        return quantized_reference_ops(base)
+    return quantized_triton_ops(base, tuning_for(device))

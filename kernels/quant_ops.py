@@ -87,3 +87,16 @@ def quantized_reference_ops(base: Ops) -> Ops:
     from .linear_quant import linear_quant_ref
 
     return QuantizedOps(base, linear_quant_ref, reference_norm, silu_mul_ref).ops()
+
+
+def quantized_triton_ops(base: Ops, tuning) -> Ops:
+    """base with quantized projections by the Triton W8A16 / W4A16 kernels, the norm and the
+    activation before them by the Triton kernels (CUDA; the interpreter in tests)."""
+    from functools import partial
+
+    from .activation_triton import silu_mul
+    from .linear_quant_triton import linear_quant
+    from .linear_triton import _norm
+
+    return QuantizedOps(base, partial(linear_quant, t=tuning.quant_linear), _norm,
+                        partial(silu_mul, tuning=tuning.elementwise)).ops()

@@ -91,6 +91,25 @@ class LinearTuning:
 
 
 @dataclass(frozen=True)
+class QuantLinearTuning:
+    """The quantized projections, W8A16 and W4A16 (kernels/linear_quant_triton.py). Starting
+    points, not yet measured: tools/bench.py decode --quantization times them."""
+    # Above max_rows the weight is dequantized into a dense copy and cuBLAS runs the GEMM: a
+    # prefill chunk's many rows amortise the copy, and the kernel's tiles are decode-sized.
+    max_rows: int = 64
+    # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
+    # until there are split_programs programs.
+    split_programs: int = 264
+    split_sum_block: int = 1024
+    # One row on CUDA cores; up to few_rows_max rows 16-row tensor-core tiles; then 64. An int4
+    # tile never spans two groups: its block_k is cut to the group size.
+    few_rows_max: int = 16
+    one_row: LinearConfig = LinearConfig(1, 16, 256)
+    few_rows: LinearConfig = LinearConfig(16, 32, 128)
+    many_rows: LinearConfig = LinearConfig(64, 64, 64)
+
+
+@dataclass(frozen=True)
 class ElementwiseTuning:
     """RMSNorm, rotary embedding and silu * mul (kernels/norm_rope_triton.py,
     kernels/activation_triton.py)."""
@@ -191,6 +210,7 @@ class SamplingTuning:
 @dataclass(frozen=True)
 class Tuning:
     linear: LinearTuning = field(default_factory=LinearTuning)
+    quant_linear: QuantLinearTuning = field(default_factory=QuantLinearTuning)
     collective: CollectiveTuning = field(default_factory=CollectiveTuning)
     elementwise: ElementwiseTuning = field(default_factory=ElementwiseTuning)
     attention: AttentionTuning = field(default_factory=AttentionTuning)

@@ -468,3 +468,30 @@ def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
     for name, kernel in kernels:
         assert kernel.metadata.launch_pdl, name
         assert not re.search(r"ld\.global|st\.global", _before_wait(kernel.asm["ptx"])), name
+
+
+def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch):
+    """W8A16 and W4A16 (kernels/linear_quant_triton.py) at decode row counts: the stored
+    weight is read with vector loads, never one byte or word an element."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.quant import quantize_fp8, quantize_int4
+
+    # CPU tensors stand in for CUDA ones: the device test passed, the kernels as on the GPU
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows: x.shape[0] <= max_rows)
+    h, inter = 2048, 8192
+    weights = [quantize_fp8(torch.randn(h, inter)), quantize_int4(torch.randn(h, inter)),
+               quantize_int4(torch.randn(h, inter), symmetric=False)]
+    for m in (1, 16, 64):
+        for w in weights:
+            lq.linear_quant(_bf16(m, inter), w)
+    names = [name for name, _ in compiled]
+    assert {"_w8a16_kernel", "_w4a16_kernel", "_split_sum_kernel"} <= set(names), names
+    for name, kernel in compiled:
+        if name in ("_w8a16_kernel", "_w4a16_kernel"):
+            ptx = kernel.asm["ptx"]
+            # one row: vector loads; more: the pipelined loop's 8- and 16-byte async copies
+            fast = len(re.findall(r"cp\.async\.\w+\.shared\.global|ld\.global(?:\.\w+)*\.v[248]",
+                                  ptx))
+            consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
+            assert fast > 0, (name, sorted(consts.items()))
+            assert not consts["UPCAST"]

@@ -1,0 +1,203 @@
+"""The quantized projections, W8A16 and W4A16: the weight read as stored (kernels/quant.py),
+dequantized in registers, and the scale applied to the sums rather than to each weight.
+Reference: kernels/linear_quant.py (same signature).
+
+Why this shape: a decode step streams every weight once, so the bytes read set its floor, and a
+quantized weight is read at 1 (fp8) or a bit over 0.5 (int4) bytes an element instead of 2.
+fp8 converts to the activation dtype exactly and its per-channel scale is constant along K,
+so it multiplies the finished sum in the epilogue. An int4 group's scale is constant over a
+group of K, so a K tile never spans two groups (block_k is cut to the group size) and the
+tile's partial sum is scaled once per output column before it joins the accumulator; the
+codes (q - zero) are small integers, exact in bf16/fp16, so a tensor-core dot takes them as
+they are. A tile's packed words come in one vector load and are spread to their eight values
+by shifts in registers.
+
+Each program owns BLOCK_M rows x BLOCK_N columns; one-row batches use CUDA-core dot products
+(block_m 1), more rows tensor-core tiles. When the columns give too few programs, K is split
+and linear_triton's partial-sum kernel adds the fp32 partials in split order (deterministic).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .linear_triton import _split_sum_kernel
+from .quant import QuantizedWeight, dequantize
+from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (tests)
+
+# Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TUNING = DEFAULT.quant_linear
+
+
+def _new(shape, dtype, device) -> torch.Tensor:
+    """Every output of this module is allocated here (tests replace it to poison outputs)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _partial(x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, summed in fp32."""
+    if DOT:
+        if UPCAST:
+            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        return tl.dot(x, tl.trans(w.to(x.dtype)))
+    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.constexpr):
+    """The output tile (plus the bias), or under split K the fp32 partial."""
+    flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if tl.num_programs(1) == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + flat, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + flat, acc, mask=mask)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    rm = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N
+
+
+# M is the batch: never specialise on it, or every new batch size would compile again.
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, k_per_split, sx,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale."""
+    rm, rn, m_ok, n_ok = _tile_ids(M, N, BLOCK_M, BLOCK_N)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_hi
+        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += _partial(x, w, DOT, UPCAST)
+    scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+    _store(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, KW, k_per_split,
+                  sx, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
+    and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale.
+    BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
+    the words a row, passed so that Triton sees its alignment (vector loads)."""
+    rm, rn, m_ok, n_ok = _tile_ids(M, N, BLOCK_M, BLOCK_N)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    groups = K // GROUP
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
+    g_rows = rn.to(tl.int64) * groups
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_hi
+        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # the tile's words [BLOCK_N, BLOCK_K / 8] in one vector load, each spread to its eight
+        # values (value j at bits 4j): k = word * 8 + j, the order of the reshape
+        wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8),
+                                              BLOCK_K // 8), BLOCK_K // 8)
+        words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
+                        other=0)
+        u = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        u = tl.reshape(u, [BLOCK_N, BLOCK_K])
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + g_rows + g, mask=n_ok, other=0.0)
+        if HAS_ZERO:
+            offset = 8 + tl.load(z_ptr + g_rows + g, mask=n_ok, other=0).to(tl.int32)
+        else:
+            offset = tl.full([BLOCK_N], 8, tl.int32)
+        codes = (u - offset[:, None]).to(tl.float32)
+        acc += _partial(x, codes, DOT, UPCAST) * scale[None, :]
+    _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+
+
+def pick_config(m: int, n: int, k: int, block_k_max: int,
+                t: QuantLinearTuning = _TUNING) -> tuple[LinearConfig, int]:
+    """(the tile config, the K split) for m rows of an [n, k] weight; block_k at most
+    block_k_max (an int4 group)."""
+    cfg = t.one_row if m == 1 else (t.few_rows if m <= t.few_rows_max else t.many_rows)
+    block_k = min(cfg.block_k, block_k_max)
+    programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    split = 1
+    while programs * split < t.split_programs and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return LinearConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps,
+                        cfg.num_stages), split
+
+
+def supported(x: torch.Tensor, weight: QuantizedWeight, max_rows: int) -> bool:
+    """Whether the kernel takes these operands, else the reference runs (or, above max_rows,
+    the dense GEMM)."""
+    return (x.dim() == 2 and x.shape[1] == weight.shape[1] and 0 < x.shape[0] <= max_rows
+            and x.dtype in (torch.bfloat16, torch.float16) and (x.is_cuda or _INTERPRET)
+            and x.stride(-1) == 1 and x.device == weight.device)
+
+
+def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 config: LinearConfig | None = None, t: QuantLinearTuning = _TUNING
+                 ) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype. config: a forced tile (tests);
+    its split_k is the K split."""
+    if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
+        return F.linear(x, dequantize(weight, x.dtype), bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    group = weight.group_size if weight.format == "int4" else k
+    if config is None:
+        config, split = pick_config(m, n, k, group, t)
+    else:
+        split = config.split_k
+        if weight.format == "int4" and group % config.block_k:
+            raise ValueError(f"config.block_k={config.block_k} must divide the int4 "
+                             f"group_size={group}")
+    bk = config.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    out = _new((m, n), x.dtype, x.device)
+    ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
+    grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m), split)
+    tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=bk,
+                 DOT=config.block_m > 1, UPCAST=_INTERPRET, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+    b = bias if bias is not None else out
+    if weight.format == "fp8":
+        _w8a16_kernel[grid](x, weight.data, weight.scale, b, out, ws, m, n, k, k_per_split,
+                            x.stride(0), HAS_BIAS=bias is not None, **tiles)
+    else:
+        z = weight.zero if weight.zero is not None else weight.scale
+        _w4a16_kernel[grid](x, weight.data, weight.scale, z, b, out, ws, m, n, k, k // 8,
+                            k_per_split, x.stride(0), GROUP=group,
+                            HAS_ZERO=weight.zero is not None, HAS_BIAS=bias is not None,
+                            **tiles)
+    if split > 1:
+        block = min(t.split_sum_block, triton.next_power_of_2(n))
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            ws, out, out, out, out, out, out, m, n, 0, 0, SPLIT=split, BLOCK=block,
+            RES_OUT=False, NORM_OUT=False, PDL=False, PUSH=False, RANK=0, WORLD=1,
+            num_warps=4)
+        if bias is not None:
+            out += bias
+    return out
+

@@ -1,0 +1,72 @@
+"""The quantized op set over the Triton sets (kernels/quant_ops.py): a layer's projections with
+quantized weights, through norm_linear, out_linear, mlp and a tensor-parallel rank's set, at
+one row and in the epilogue-fused row range, against the reference set on the dequantized
+weights; a dense weight in the same set (the LM head) still runs the base set's kernels."""
+import pytest
+import torch
+
+from graphexec.kernels import REFERENCE_OPS
+from graphexec.kernels.quant import dequantize, quantize_fp8, quantize_int4
+from kernel_helpers import _check, _randn, kernel_test
+
+HID, INTER = 128, 256
+
+
+def _sets():
+    from graphexec.kernels.quant_ops import quantized_triton_ops
+    from graphexec.kernels.triton_ops import op_set
+    from graphexec.kernels.tuning import DEFAULT
+
+    return quantized_triton_ops(op_set("auto", False, DEFAULT), DEFAULT)
+
+
+def _layer(fmt, dtype):
+    q = quantize_fp8 if fmt == "fp8" else (lambda w: quantize_int4(w, 64, fmt == "int4"))
+    shapes = dict(qkv=(3 * HID, HID), o=(HID, HID), gate_up=(2 * INTER, HID), down=(HID, INTER))
+    out = {}
+    for i, (name, s) in enumerate(shapes.items()):
+        qw = q(_randn(s, torch.float32, 10 + i, s[1] ** -0.5))
+        out[name] = (qw, dequantize(qw, dtype))
+    return out
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "int4_asym"])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_layer_projections_match_the_reference(fmt, rows):
+    dtype = torch.bfloat16
+    ops, ref = _sets(), REFERENCE_OPS
+    assert ops.name.endswith("-quantized")
+    w = _layer(fmt, dtype)
+    x = _randn((rows, HID), dtype, 1)
+    res = _randn((rows, HID), dtype, 2)
+    nw = (1 + 0.1 * _randn((HID,), torch.float32, 3)).to(dtype)
+    got, got_sum = ops.norm_linear(x, res, nw, 1e-5, w["qkv"][0])
+    want, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["qkv"][1])
+    _check(got, want, dtype, "reduction")
+    _check(got_sum, want_sum, dtype)
+    h, stream = ops.out_linear(x, w["o"][0], res, nw)
+    _check(h + stream, ref.linear(x, w["o"][1]) + res, dtype, "reduction")
+    h, summed = ops.mlp(x, res, nw, 1e-5, w["gate_up"][0], w["down"][0], nw)
+    gu, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["gate_up"][1])
+    # three bf16 rounding points in a chain (gate_up, the activation, down), each free to
+    # round the other way: a few ulps of the largest values
+    torch.testing.assert_close(h.float(), ref.silu_mul_linear(gu, w["down"][1]).float(),
+                               atol=8e-2, rtol=4e-2)
+    _check(summed, want_sum, dtype)
+    # a rank's set: o's partial sum alone, the residual passed on to the all-reduce
+    rank = ops.for_rank(0)
+    h, passed = rank.out_linear(x, w["o"][0], res, None)
+    assert passed is res
+    _check(h, ref.linear(x, w["o"][1]), dtype, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_dense_weights_keep_the_base_set():
+    dtype = torch.bfloat16
+    ops = _sets()
+    x = _randn((1, HID), dtype, 4)
+    dense = _randn((96, HID), dtype, 5, HID ** -0.5)
+    _check(ops.linear(x, dense), REFERENCE_OPS.linear(x, dense), dtype, "reduction")
