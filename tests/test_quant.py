@@ -3,7 +3,7 @@ error bounds, and slicing by channels and groups (tensor parallelism)."""
 import pytest
 import torch
 
-from kernels.quant import (QuantizedWeight, cat_rows, dequantize, pack_int4, quantize_fp8,
+from graphexec.kernels.quant import (QuantizedWeight, cat_rows, dequantize, pack_int4, quantize_fp8,
                            quantize_int4, unpack_int4)
 
 
