@@ -11,7 +11,9 @@ the same run). Writes JSON, a PNG plot and markdown tables under --out; `--docs
 docs/benchmarks.md` also appends the tables (with date, GPU and command) to that file.
 `--tp 1 2` runs each configuration at those tensor_parallel_size values (the roofline is then
 per rank); a model named `<preset>-tp<N>rank` is one rank's share of the preset alone, at size 1
-(tools/rank_shapes.py). Without CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
+(tools/rank_shapes.py). `--quantization none fp8 int4` runs each configuration with its
+weights quantized at load, the roofline then from the bytes each format's projections read
+(scales included). Without CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
 benchmark, not to measure.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from graphexec import LLM, SamplingParams  # noqa: E402
 from graphexec.kernels import PROJECTIONS  # noqa: E402
 from graphexec.rank import kv_bytes_per_block  # noqa: E402
 from graphexec.model import preset  # noqa: E402
+from graphexec.model.quantize import QUANTIZATIONS, weight_bytes  # noqa: E402
 import rank_shapes  # noqa: E402  (tools/, beside this file)
 
 MODES = {"async+graphs": dict(async_scheduling=True, cuda_graphs=True),
@@ -88,7 +91,7 @@ def weight_bytes_per_rank(mc, tp: int) -> int:
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
                     bandwidth: float, max_batch: int, llm: LLM | None = None,
                     diagnose: bool = False, projections: str = "auto",
-                    tp: int = 1) -> tuple[dict, LLM]:
+                    tp: int = 1, quantization: str = "none") -> tuple[dict, LLM]:
     mc = preset(model)
     max_len = prompt_len + new + 16
     if llm is None:
@@ -96,7 +99,8 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
         kernels = (dict(batch_invariant=True) if projections == "invariant"
                    else dict(projections=projections))
         llm = LLM(model, max_batch=max_batch, num_kv_blocks=blocks, max_model_len=max_len,
-                  tensor_parallel_size=tp, **kernels, **MODES[mode])
+                  tensor_parallel_size=tp, quantization=quantization, **kernels,
+                  **MODES[mode])
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = _prompts(batch, prompt_len, mc.vocab_size)
@@ -140,14 +144,19 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     step_time = (sum(busy) / len(busy) + sum(gaps) / max(len(gaps), 1)) if tl else float("nan")
     # Per rank under tensor parallelism (its weights and its KV heads); the all-reduces' time
     # is not in the floor.
-    weights = weight_bytes_per_rank(mc, tp)
+    # a quantized model's floor: the bytes its projections read as stored, scales included
+    weights = (weight_bytes_per_rank(mc, tp) if quantization == "none"
+               else weight_bytes(engine.model.weights))
     kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16 / tp
     avg_ctx = prompt_len + new / 2
     roofline = (weights + batch * avg_ctx * kv_per_token) / bandwidth
     label = mode if projections == "auto" else f"{mode} {projections}-proj"
     if tp > 1:
         label += f" tp{tp}"
+    if quantization != "none":
+        label += f" {quantization}"
     res = dict(engine="graphexec", mode=label, projections=projections, tensor_parallel_size=tp,
+               quantization=quantization, weight_bytes=weights,
                model=model, batch=batch, prompt=prompt_len,
                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
                decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
@@ -258,17 +267,20 @@ def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> di
 
 def run_decode(models, batches, shapes, hf_batches, out_dir,
                hf_kinds=("eager", "static+compile"), modes=tuple(MODES),
-               diagnose: bool = False, projections=("auto",), tps=(1,)) -> list[dict]:
+               diagnose: bool = False, projections=("auto",), tps=(1,),
+               quantizations=("none",)) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
     for model in models:
-        for mode, proj, tp in itertools.product(modes, projections, tps):
+        for mode, proj, tp, quant in itertools.product(modes, projections, tps,
+                                                       quantizations):
             for prompt_len, new in shapes:
                 llm = None  # a new engine per shape: max_model_len and KV sized for it
                 for batch in batches:
                     res, llm = bench_graphexec(model, mode, batch, prompt_len, new, bw,
-                                               max(batches), llm, diagnose, proj, tp)
+                                               max(batches), llm, diagnose, proj, tp,
+                                               quant)
                     print(json.dumps(res))
                     rows.append(res)
                 # Free this engine's graphs, buffers and KV before the next configuration's
@@ -394,6 +406,10 @@ def main() -> None:
                     help="decode: tensor_parallel_size values, one engine each (e.g. 1 2)")
     ap.add_argument("--diagnose", action="store_true",
                     help="time schedule/launch/reconcile per step, list the slowest steps")
+    ap.add_argument("--quantization", nargs="+", default=["none"],
+                    choices=list(QUANTIZATIONS),
+                    help="decode: weights quantized at load; the roofline counts the bytes "
+                         "each format reads")
     ap.add_argument("--out", default="out")
     ap.add_argument("--docs", default=None,
                     help="append the markdown tables to this file (docs/benchmarks.md)")
@@ -425,7 +441,8 @@ def main() -> None:
         shapes = [tuple(int(x) for x in s.split("+")) for s in args.shapes]
         batches = args.batches or [1, 16, 64, 256]
         rows = run_decode(args.models, batches, shapes, args.hf_batches, args.out,
-                          args.hf_kinds, args.modes, args.diagnose, args.projections, args.tp)
+                          args.hf_kinds, args.modes, args.diagnose, args.projections, args.tp,
+                          args.quantization)
         tag = "-".join(args.models)
         plot(rows, os.path.join(args.out, f"decode_{tag}.png"))
         md = markdown(rows, command)
