@@ -85,3 +85,26 @@ def test_int4_group_must_divide_the_input_dim():
 
     with pytest.raises(ValueError, match="straddle"):
         quantize_tensor(torch.randn(8, 192), "int4")
+
+
+def test_a_rank_quantizes_its_share():
+    """Under tensor parallelism a rank quantizes its own slice: qkv keeps whole channels with
+    their scales, and an int4 group that a rank boundary would cut is a ValueError naming it
+    (tiny's o has 128 input columns: 64 a rank at size 2, half a group of 128)."""
+    from graphexec.kernels.quant import QuantizedWeight, dequantize
+    from graphexec.model import load_model, resolve_model
+    from graphexec.model.shard import Shard
+
+    src, cpu = resolve_model("tiny"), torch.device("cpu")
+    _, whole = load_model(src, cpu, torch.float32, quantization="fp8")
+    _, rank1 = load_model(src, cpu, torch.float32, shard=Shard(rank=1, size=2),
+                          quantization="fp8")
+    qkv = rank1.layers[0].qkv
+    assert isinstance(qkv, QuantizedWeight) and qkv.shape[0] * 2 == whole.layers[0].qkv.shape[0]
+    # the rank's q rows are the whole model's second half of q, scales and all
+    q_rows = qkv.shape[0] // 2  # tiny: q is half of qkv (4 heads; 2 + 2 KV heads)
+    torch.testing.assert_close(dequantize(qkv)[:q_rows],
+                               dequantize(whole.layers[0].qkv)[q_rows:2 * q_rows],
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="straddle"):
+        load_model(src, cpu, torch.float32, shard=Shard(rank=0, size=2), quantization="int4")
