@@ -1,5 +1,5 @@
-"""One CUDA graph per (batch bucket, variant), and one per (prefill token bucket, logprobs on/off),
-all in one memory pool.
+"""One CUDA graph per (batch bucket, variant), and one per (prefill token bucket, logprobs on/off,
+penalties on/off), all in one memory pool.
 
 Each decode graph is the whole decode iteration (forward, sample, advance) over DecodeState's
 static buffers, so replaying it needs no host input: the host only changes the buffers (through a
@@ -33,8 +33,8 @@ class GraphSet:
     graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = field(default_factory=dict)
     reports: list[BucketReport] = field(default_factory=list)
     pool: object = None
-    # (token bucket, logprobs) -> (graph, its sample outputs)
-    prefill: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
+    # (token bucket, logprobs, penalties) -> (graph, its sample outputs)
+    prefill: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
         default_factory=dict)
 
     def has(self, bucket: int, variant: Variant) -> bool:
@@ -43,8 +43,9 @@ class GraphSet:
     def replay(self, bucket: int, variant: Variant) -> None:
         self.graphs[(bucket, variant)].replay()
 
-    def replay_prefill(self, tokens: int, with_logprobs: bool) -> SampleOut:
-        graph, out = self.prefill[(tokens, with_logprobs)]
+    def replay_prefill(self, tokens: int, with_logprobs: bool,
+                       penalties: bool = False) -> SampleOut:
+        graph, out = self.prefill[(tokens, with_logprobs, penalties)]
         graph.replay()
         return out
 
@@ -59,8 +60,11 @@ class GraphSet:
             raise RuntimeError("graphs must be captured on an empty batch")
         out = cls(pool=torch.cuda.graph_pool_handle())
         with_lp = sorted({v.logprobs for v in variants})
-        todo = [(("prefill", t, lp), lambda t=t, lp=lp: runner.padded_mixed_step(t, lp))
-                for t in sorted(token_buckets, reverse=True) for lp in with_lp]
+        with_pen = sorted({v.penalties for v in variants})
+        todo = [(("prefill", t, lp, pen),
+                 lambda t=t, lp=lp, pen=pen: runner.padded_mixed_step(t, lp, penalties=pen))
+                for t in sorted(token_buckets, reverse=True) for lp in with_lp
+                for pen in with_pen]
         todo += [((b, v), lambda b=b, v=v: runner.iterate(b, v))
                  for b in sorted(buckets, reverse=True) for v in variants]
         bar = None

@@ -21,16 +21,29 @@ class SampleOut:
 
 
 def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slice,
-                logits: torch.Tensor, with_logprobs: bool) -> SampleOut:
+                logits: torch.Tensor, with_logprobs: bool,
+                live: torch.Tensor | None = None) -> SampleOut:
     """Samples one token for each of `rows` (a slice for decode, an index tensor for prefill)
-    with the sampling parameters and RNG counters those rows hold."""
+    with the sampling parameters and RNG counters those rows hold. live: for a step of the
+    penalties variant, which rows really sample (bool); their tokens are counted into their
+    penalty slots. None: no penalties."""
     ops = model.ops
     steps = state.steps[rows]
     # Logprobs are of the raw distribution: keep the unmasked logits only when they are asked.
     masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps, state.min_tokens[rows],
                                   inplace=not with_logprobs)
-    tokens = ops.sample(masked, state.temperature[rows], state.top_k[rows], state.top_p[rows],
+    temperature = state.temperature[rows]
+    pen = state.penalties
+    if live is not None:
+        slots = state.penalty_slots[rows]
+        ops.apply_logit_bias(masked, slots, pen.bias_ids, pen.bias_vals)
+        ops.apply_penalties(masked, slots, pen.counts, pen.prompt_mask, pen.presence,
+                            pen.frequency, pen.repetition)
+        ops.apply_min_p(masked, slots, temperature, pen.log_min_p)
+    tokens = ops.sample(masked, temperature, state.top_k[rows], state.top_p[rows],
                         state.seeds[rows], steps)
+    if live is not None:
+        ops.count_tokens(pen.counts, slots, tokens, live)
     if not with_logprobs:
         return SampleOut(tokens)
     chosen, top_vals, top_ids = ops.logprobs(logits, tokens, state.out_top_ids.shape[-1])
@@ -47,7 +60,10 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
                            seq_lens=seq_lens, rows_are_sequences=True)
     hidden = model.forward(state.input_ids[rows], state.positions[rows], attn, kv)
     logits = model.compute_logits(hidden)
-    out = sample_rows(model, state, rows, logits, variant.logprobs)
+    live = None
+    if variant.penalties:  # the rows the advance moves on (padding rows hold slot 0 anyway)
+        live = torch.arange(bucket, device=logits.device) < state.num_rows
+    out = sample_rows(model, state, rows, logits, variant.logprobs, live)
     if variant.logprobs:
         state.out_logprob[rows, 0] = out.logprob
         state.out_top_logprobs[rows, 0] = out.top_logprobs

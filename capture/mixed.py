@@ -37,7 +37,7 @@ DECODE_SPLIT_ROWS: int | None = 8
 
 def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
                decode_rows: int, block_size: int, with_logprobs: bool,
-               draft=None) -> SampleOut:
+               draft=None, penalties: bool = False) -> SampleOut:
     """Writes the chunks' KV, samples each chunk's next token from its last position and sets
     the joining rows' next input, position and step (returned: the chunks' samples); decodes
     rows [0, meta.num_decode) as the decode iteration does, their tokens where it leaves them
@@ -82,7 +82,9 @@ def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefill
         draft.model.forward(ids, positions, attn, draft.kv)  # the draft's own KV
     logits = model.compute_logits(hidden.rows(last))
     state.steps[rows] = steps
-    out = sample_rows(model, state, rows, logits, with_logprobs)
+    # penalties: the joining rows' slots were filled by this step's delta, before it
+    out = sample_rows(model, state, rows, logits, with_logprobs,
+                      samples.bool() if penalties else None)
     # New rows continue from their first sampled token, resumed ones from their last token.
     state.input_ids[rows] = torch.where(samples.bool(), out.tokens, next_input)
     state.positions[rows] = next_position

@@ -10,15 +10,16 @@ from __future__ import annotations
 import torch
 
 from ..plan import StepDelta
+from .penalties import PenaltyState
 
 MAX_STOP_IDS = 16  # ids masked on the device while a row is below min_tokens
-_NEW_ROW_INTS = 6  # seed, min_tokens, top_k, input_id, position, step
+_NEW_ROW_INTS = 7  # seed, min_tokens, top_k, input_id, position, step, penalty slot
 
 
 class DecodeState:
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
                  scratch_block: int, device: torch.device, num_logprobs: int = 20,
-                 tokens_per_step: int = 1):
+                 tokens_per_step: int = 1, penalties: bool = False):
         self.max_rows = max_rows
         self.inert_row = max_rows
         self.scratch_block = scratch_block
@@ -34,11 +35,11 @@ class DecodeState:
         # op there is host time before the replay. Every field is a contiguous view; rows are
         # padded to 16 elements so that every view starts 16-byte aligned.
         pad = -(-r // 16) * 16
-        self._row_ints = torch.zeros(6, pad, **i64)
+        self._row_ints = torch.zeros(_NEW_ROW_INTS, pad, **i64)
         self._row_floats = torch.zeros(2, pad, device=device, dtype=torch.float32)
         # (the order of pack_delta's new-row columns)
         (self.seeds, self.min_tokens, self.top_k, self.input_ids, self.positions,
-         self.steps) = (row[:r] for row in self._row_ints)
+         self.steps, self.penalty_slots) = (row[:r] for row in self._row_ints)
         # positions: where the next forward writes (seq_len = +1); steps: the index of the
         # output token the next sample draws
         self.temperature, self.top_p = (row[:r] for row in self._row_floats)
@@ -47,6 +48,8 @@ class DecodeState:
         self.block_tables = torch.full((r, self.max_cols), scratch_block, device=device,
                                        dtype=torch.int32)
         self.num_rows = torch.zeros(1, **i64)  # rows holding a request; read inside graphs
+        # what penalised rows read, in slots of their own (None: no row may use penalties)
+        self.penalties = (PenaltyState(max_rows, vocab_size, device) if penalties else None)
         # Outputs of the last step, read back by the host one step later. A step emits up to
         # tokens_per_step tokens per row (K+1 when speculating); out_count says how many.
         w, f32 = tokens_per_step, dict(device=device, dtype=torch.float32)
@@ -90,8 +93,10 @@ class DecodeState:
         self.num_rows.copy_(ints[o:o + 1])
 
 
-def pack_delta(delta: StepDelta, max_rows: int) -> tuple[list[int], list[float]]:
-    """Flattens a delta into one int list and one float list (one H2D copy each)."""
+def pack_delta(delta: StepDelta, max_rows: int,
+               slots: list[int] | None = None) -> tuple[list[int], list[float]]:
+    """Flattens a delta into one int list and one float list (one H2D copy each). slots: each
+    new row's penalty slot (PenaltyState.assign; None: all 0)."""
     ints: list[int] = []
     if delta.row_map is not None:
         gather = list(delta.row_map) + [max_rows] * (max_rows + 1 - len(delta.row_map))
@@ -105,6 +110,7 @@ def pack_delta(delta: StepDelta, max_rows: int) -> tuple[list[int], list[float]]
         ints += [r.input_id for r in rows]
         ints += [r.position for r in rows]
         ints += [r.step for r in rows]
+        ints += slots if slots is not None else [0] * len(rows)
         for j in range(MAX_STOP_IDS):
             ints += [r.stop_ids[j] if j < len(r.stop_ids) else -1 for r in rows]
     for name_idx in range(3):

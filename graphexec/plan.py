@@ -55,6 +55,23 @@ class Variant(NamedTuple):
     # vocabulary (the same tokens and counts, a few dozen fewer kernels per iteration).
     # Plain decoding keeps it True: its sampler has no such cost.
     sampled: bool = True
+    # Some row uses penalties, logit bias or min_p (capture/penalties.py); False: the step
+    # launches none of their kernels.
+    penalties: bool = False
+
+
+@dataclass
+class RowPenalties:
+    """What a joining row's penalty slot is filled with: its SamplingParams' penalties, and
+    the tokens they count (the request's own lists, read when the step is launched)."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    min_p: float
+    logit_bias: dict[int, float]
+    prompt: list[int]
+    output: list[int]  # generated so far: a resumed or recomputed request has some
 
 
 @dataclass
@@ -72,6 +89,7 @@ class NewRow:
     input_id: int = 0
     position: int = 0
     step: int = 0
+    penalties: RowPenalties | None = None  # None: the row uses none
 
 
 @dataclass

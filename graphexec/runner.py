@@ -16,6 +16,7 @@ from .capture.prefill import PrefillMeta, pack_prefill
 from .capture.results import ResultRing, StepResults
 from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing
+from .capture.penalties import pack_init
 from .capture.state import DecodeState, pack_delta
 from .model import KVCache, LlamaModel
 from .plan import MAX_PREFILL_SEQS, PrefillChunk, StepDelta, Variant
@@ -51,7 +52,7 @@ class ModelRunner:
         max_blocks = -(-(max_model_len + num_spec_tokens) // block_size)
         w = num_spec_tokens + 1
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
-                                 self.device, tokens_per_step=w)
+                                 self.device, tokens_per_step=w, penalties=self.mixed)
         # A step may stage two copies (its delta and its prefill): eight slots keep the one
         # being rewritten two steps behind the step in flight.
         self.h2d = H2DRing(self.device, num_slots=8)
@@ -110,21 +111,26 @@ class ModelRunner:
         return _MIRROR_NOTHING
 
     def _apply_delta(self, delta: StepDelta) -> None:
-        ints, floats = pack_delta(delta, self.max_rows)
+        pen = self.state.penalties
+        slots = pen.assign(delta) if pen is not None else None
+        ints, floats = pack_delta(delta, self.max_rows, slots)
         d_ints, d_floats = self.h2d.put(ints, floats)
         self.state.apply_delta(delta, d_ints, d_floats)
+        init = pack_init(delta, slots) if slots else None
+        if init is not None:  # joining rows that use penalties: their slots' first contents
+            pen.apply_init(init, *self.h2d.put(init.ints, init.floats))
         self.num_rows = delta.num_rows
 
     def _run(self, prefills: list[PrefillChunk], bucket: int,
              variant: Variant) -> tuple[int, SampleOut | None]:
         """Enqueues the step's forward passes, which publish the decode rows' results exactly
         once. Returns how many rows it decoded and the chunks' samples."""
-        lp = variant.logprobs
+        lp, pen = variant.logprobs, variant.penalties
         if prefills and self.mixed:
             # the rows its chunks join (the last ones) get their first token only
             num_decode = self.num_rows - sum(c.row is not None for c in prefills)
             with self._timeline_span(True):
-                return num_decode, self._mixed_step(prefills, lp, num_decode)
+                return num_decode, self._mixed_step(prefills, lp, num_decode, pen)
         samples = self._mixed_step(prefills, lp) if prefills else None  # chunks alone
         if not self.num_rows:  # nothing decodes; the publish keeps the slot counter in step
             self.results.publish(self.state.out_packed[:1])
@@ -150,7 +156,7 @@ class ModelRunner:
         end.record()
 
     def _mixed_step(self, chunks: list[PrefillChunk], with_logprobs: bool,
-                    num_decode: int | None = None) -> SampleOut:
+                    num_decode: int | None = None, penalties: bool = False) -> SampleOut:
         """One forward over the chunks after num_decode decode rows (a mixed step), or with
         num_decode None over the chunks alone (a speculative runner's, before its iteration).
         On CUDA, padded to a token bucket over the static buffer: a graph replay, or eagerly
@@ -168,16 +174,18 @@ class ModelRunner:
                                 self.scratch_block, st.inert_row, lead)
             d, _ = self.h2d.put(ints, [])
             return self._run_mixed_step(PrefillMeta.view(d, num_tokens, len(chunks), cols),
-                                        with_logprobs, lead)
+                                        with_logprobs, lead, penalties)
         ints = pack_prefill(chunks, tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
                             self.scratch_block, st.inert_row, lead)
-        if self.graphs is not None and (tokens, with_logprobs) in self.graphs.prefill:
+        key = (tokens, with_logprobs, penalties)
+        if self.graphs is not None and key in self.graphs.prefill:
             self.h2d.put_into(ints, self.prefill_buffer)
-            return self.graphs.replay_prefill(tokens, with_logprobs)
-        return self.padded_mixed_step(tokens, with_logprobs, ints)
+            return self.graphs.replay_prefill(*key)
+        return self.padded_mixed_step(tokens, with_logprobs, ints, penalties)
 
     def padded_mixed_step(self, tokens: int, with_logprobs: bool,
-                          ints: np.ndarray | None = None) -> SampleOut:
+                          ints: np.ndarray | None = None,
+                          penalties: bool = False) -> SampleOut:
         """The mixed step (or a speculative runner's chunks alone) of `tokens`' bucket over the
         static buffer, as its graph runs it, eagerly. With no `ints`, one of nothing but
         padding (it writes only the scratch block and the inert row): what GraphSet.capture
@@ -190,16 +198,16 @@ class ModelRunner:
                                     self.scratch_block, st.inert_row)
             self.h2d.put_into(ints, self.prefill_buffer)
         meta = PrefillMeta.view(self.prefill_buffer, tokens, MAX_PREFILL_SEQS, st.max_cols)
-        return self._run_mixed_step(meta, with_logprobs, min(self.max_rows, tokens))
+        return self._run_mixed_step(meta, with_logprobs, min(self.max_rows, tokens), penalties)
 
     def _run_mixed_step(self, meta: PrefillMeta, with_logprobs: bool,
-                        decode_rows: int) -> SampleOut:
+                        decode_rows: int, penalties: bool = False) -> SampleOut:
         """Eager: the mixed step with a decode part of decode_rows rows, or the chunks alone
         (a speculative runner)."""
         st = self.state
         rows = decode_rows if self.mixed else 0
         out = mixed_step(self.model, st, self.kv, meta, rows, self.block_size, with_logprobs,
-                         self.draft)
+                         self.draft, penalties)
         if self.mixed:  # the decode rows' results, as the decode iteration publishes them
             self.results.publish(st.out_packed[:max(decode_rows, 1)])
         return out

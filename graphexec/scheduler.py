@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .block_pool import BlockPool, chain_hashes
 from .config import EngineConfig
-from .plan import MAX_PREFILL_SEQS, NewRow, Plan, PrefillChunk, StepDelta, Variant, bucket_floor
+from .plan import (MAX_PREFILL_SEQS, NewRow, Plan, PrefillChunk, RowPenalties, StepDelta, Variant,
+                   bucket_floor)
 from .request import Request, Status
 
 
@@ -106,8 +107,11 @@ class Scheduler:
         logprobs = any(r.params.logprobs is not None for r in self.running)
         if self.spec_tokens and all(r.params.temperature == 0 for r in self.running):
             return Variant(logprobs, filters=False, sampled=False)  # filters: greedy ignores them
-        return Variant(logprobs, filters=any(r.top_k > 0 or r.params.top_p < 1
-                                             for r in self.running))
+        penalties = any(r.params.uses_penalties for r in self.running)
+        # plain decoding ignores `filters`; the penalties variant is captured with it on only
+        return Variant(logprobs, filters=penalties or any(r.top_k > 0 or r.params.top_p < 1
+                                                          for r in self.running),
+                       penalties=penalties)
 
     def _missing_blocks(self, req: Request) -> int:
         """Blocks the row lacks for every position its next step may write: from its next input
@@ -289,7 +293,8 @@ class Scheduler:
         new_rows.append(NewRow(row=row, temperature=p.temperature,
                                top_k=req.top_k, top_p=p.top_p,
                                seed=req.seed, min_tokens=p.min_tokens,
-                               stop_ids=sorted(req.stop_ids)))
+                               stop_ids=sorted(req.stop_ids),
+                               penalties=_row_penalties(req) if p.uses_penalties else None))
         entries += [(row, c, b) for c, b in enumerate(req.blocks)]
         return row
 
@@ -323,3 +328,8 @@ class Scheduler:
                 still.append((sid, blocks))
         self.deferred = still
 
+
+def _row_penalties(req: Request) -> RowPenalties:
+    p = req.params
+    return RowPenalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+                        p.logit_bias or {}, req.prompt, req.output)

@@ -37,11 +37,17 @@ def check_inert_row(engine: Engine) -> None:
 
 def random_params(rng: random.Random, greedy: bool, max_tokens: int) -> SamplingParams:
     stop = rng.sample(range(2, 512), 24) if rng.random() < 0.5 else []
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9,
-                          top_k=rng.choice([-1, 30]), top_p=rng.choice([1.0, 0.8]),
-                          seed=rng.randrange(1000) if rng.random() < 0.7 else None,
-                          stop_token_ids=stop, ignore_eos=rng.random() < 0.5,
-                          logprobs=rng.choice([None, 2]))
+    kw = dict(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9,
+              top_k=rng.choice([-1, 30]), top_p=rng.choice([1.0, 0.8]),
+              seed=rng.randrange(1000) if rng.random() < 0.7 else None,
+              stop_token_ids=stop, ignore_eos=rng.random() < 0.5,
+              logprobs=rng.choice([None, 2]))
+    if rng.random() < 0.4:  # a penalised row: its slot must follow it through every pause
+        kw.update(presence_penalty=rng.choice([0.0, 1.0]),
+                  frequency_penalty=rng.choice([0.0, 0.5]),
+                  repetition_penalty=rng.choice([1.0, 1.3]), min_p=rng.choice([0.0, 0.1]),
+                  logit_bias=rng.choice([None, {rng.randrange(512): 5.0}]))
+    return SamplingParams(**kw)
 
 
 def check_blocks(engine: Engine) -> None:

@@ -54,6 +54,8 @@ class AsyncEqualsSync(RuleBasedStateMachine):
         self._submit(prompt, params)
 
     def _submit(self, prompt, params):
+        if params.uses_penalties:
+            TALLY["penalised"] = TALLY.get("penalised", 0) + 1
         rid = f"r{self.count}"
         self.count += 1
         self.prompts.append(prompt)
@@ -151,6 +153,7 @@ def test_state_machine_hits_pauses_and_evictions():
         suppress_health_check=[HealthCheck.too_slow]))
     assert all(TALLY.get(f"{e}_{k}", 0) > 0 for e in ("sync", "async")
                for k in ("pauses", "evictions")), TALLY
+    assert TALLY.get("penalised", 0) > 0, TALLY
 
 
 class ChunkedAsyncEqualsWholeSync(AsyncEqualsSync):
