@@ -11,6 +11,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32}
 
+# kv_cache_dtype -> the cache's dtype (None: the activation dtype)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
 
 @dataclass
 class EngineConfig:
@@ -47,6 +50,9 @@ class EngineConfig:
     # output channel), "int4" (groups of 128 along K, symmetric) or "int4_asym" (zero points).
     # A quantized checkpoint loads as stored whatever this says (graphexec/model/quantize.py).
     quantization: str | None = None
+    # The paged KV cache's element type: "auto" (the activation dtype) or "fp8" (e4m3,
+    # saturating at 448: half of bf16's bytes, so twice the blocks in the same memory).
+    kv_cache_dtype: str = "auto"
     # Ranks the model is split over (the vLLM name): one process each, rank 0 this one; on
     # CUDA one device each, from `device` on (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
@@ -127,6 +133,9 @@ class EngineConfig:
         from .model.quantize import check_quantization
 
         self.quantization = check_quantization(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
+                             f"{sorted(KV_CACHE_DTYPES)}")
         if self.batch_invariant:
             if self.quantization is not None:
                 raise ValueError("batch_invariant=True runs dense weights only, got "
@@ -137,6 +146,11 @@ class EngineConfig:
             if self.dtype == torch.float32:  # its projections are bf16/fp16 kernels
                 raise ValueError("batch_invariant=True needs dtype bfloat16 or float16, got "
                                  "dtype=float32")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's torch dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
     def _check_tensor_parallel_size(self) -> None:
         tp = self.tensor_parallel_size

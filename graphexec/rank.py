@@ -45,7 +45,7 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
     num_blocks = _num_kv_blocks(cfg, mc, max_len)
     if shard.sharded:  # block ids are shared: every rank's cache has the smallest one's size
         num_blocks = _min_over_ranks(num_blocks, cfg.device)
-    kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.dtype, cfg.device)
+    kv = _allocate_kv(mc, num_blocks + 1, cfg.block_size, cfg.kv_dtype, cfg.device)
     ops = select_ops(cfg.device, cfg.use_triton, cfg.projections, cfg.batch_invariant)
     if is_quantized(weights):  # online, or a quantized checkpoint's as stored
         if cfg.batch_invariant:
@@ -93,7 +93,7 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 def _num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, max_len: int) -> int:
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    per_block = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
+    per_block = kv_bytes_per_block(mc, cfg.block_size, cfg.kv_dtype)
     if cfg.kv_cache_memory is not None:
         n = cfg.kv_cache_memory // per_block
         if n < 1:

@@ -10,12 +10,26 @@ from __future__ import annotations
 import torch
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def to_cache_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a cache of `dtype`: an fp8 cache (kv_cache_dtype="fp8") saturates at 448, where a
+    plain cast would give NaN. Reading converts back exactly (the readers upcast)."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hk, D]; slot_mapping: [T] flat slot index (block * block_size + offset)."""
-    nb, bs, hk, d = k_cache.shape
-    k_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        nb, bs, hk, d = cache.shape
+        x = to_cache_ref(x, cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, x)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

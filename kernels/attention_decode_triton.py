@@ -122,13 +122,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
             k_src = kn_ptr + b64 * skn0 + kh64 * skn1 + dh
             k1, k2 = rotate_pair(tl.load(k_src).to(tl.float32),
                                  tl.load(k_src + HALF).to(tl.float32), cos_v, sin_v)
-            k1 = k1.to(k_ptr.dtype.element_ty)
-            k2 = k2.to(k_ptr.dtype.element_ty)
+            k1 = tiles.to_cache(k1, k_ptr)
+            k2 = tiles.to_cache(k2, k_ptr)
             # a flat slot addresses the cache directly (_cache_ok: blocks evenly strided)
             k_dst = k_ptr + new_slot * sks + kh64 * skh + dh
             tl.store(k_dst, k1)
             tl.store(k_dst + HALF, k2)
-            v_new = tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d).to(v_ptr.dtype.element_ty)
+            v_new = tiles.to_cache(tl.load(vn_ptr + b64 * svn0 + kh64 * svn1 + d), v_ptr)
             tl.store(v_ptr + new_slot * svs + kh64 * svh + d, v_new)
             if PREFETCH:
                 # the prefetched tile predates the new token: put it in where the tile holds
@@ -266,10 +266,12 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (rope_decode_attention). invariant: tiles that do not depend on the batch."""
     b, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
-    # fused: the cache's dtype (no conversion on write) and a power-of-two head dim (q is
+    # fused: the cache's dtype or fp8 (the write converts) and a power-of-two head dim (q is
     # rotated as two halves of BLOCK_D / 2 lanes)
-    fusable = rope is None or (rope[0].dtype == k_cache.dtype and rope[1].dtype == v_cache.dtype
-                               and d >= 16 and d & (d - 1) == 0)
+    fusable = rope is None or (
+        (tiles.is_fp8(k_cache) or rope[0].dtype == k_cache.dtype)
+        and (tiles.is_fp8(v_cache) or rope[1].dtype == v_cache.dtype)
+        and d >= 16 and d & (d - 1) == 0)
     if not (_cache_ok(k_cache) and _cache_ok(v_cache) and fusable):
         from .attention import paged_decode_attention_ref
         if rope is not None:

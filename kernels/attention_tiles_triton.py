@@ -23,6 +23,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: qk_scale includes it
 
 
+def is_fp8(t: torch.Tensor) -> bool:
+    """An fp8 KV cache (kv_cache_dtype="fp8"): written through to_cache, read as any other."""
+    return t.dtype == torch.float8_e4m3fn
+
+
 def ieee_dot(*dtypes: torch.dtype) -> bool:
     return torch.float32 in dtypes or (_INTERPRET and torch.bfloat16 in dtypes)
 
@@ -31,6 +36,16 @@ def _new(shape, dtype, device) -> torch.Tensor:
     """Every output and workspace of the attention modules is allocated here (tests poison it);
     callers reach it through this module so that one patch covers them all."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x in the cache's element type; an fp8 cache saturates at its largest finite value
+    (448) rather than overflowing to NaN, as the reference (kernels/attention.py) does."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype.is_fp8():
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(dtype)
 
 
 @triton.jit

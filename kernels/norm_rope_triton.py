@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .attention_tiles_triton import to_cache
 from .tuning import DEFAULT, ElementwiseTuning
 
 _TUNING = DEFAULT.elementwise  # what a caller that passes no table gets
@@ -153,8 +154,8 @@ def _rope_rotate(src_ptr, dst_ptr, src_row, s1, dst_row, d1, n_heads, c, s,
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
         o1, o2 = rotate_pair(x1, x2, c[None, :], s[None, :])
         dst = dst_ptr + dst_row + hh[:, None] * d1 + cols[None, :]
-        tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, to_cache(o1, dst_ptr), mask=mask)
+        tl.store(dst + HALF, to_cache(o2, dst_ptr), mask=mask)
 
 
 @triton.jit
@@ -238,7 +239,7 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, 
             mask = (h[:, None] < HK) & (ds[None, :] < 2 * HALF)
             v = tl.load(v_ptr + t64 * sv0 + h[:, None] * sv1 + ds[None, :], mask=mask)
             tl.store(vc_ptr + slot * svc + h[:, None] * svh + ds[None, :],
-                     v.to(vc_ptr.dtype.element_ty), mask=mask)
+                     to_cache(v, vc_ptr), mask=mask)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -247,11 +248,13 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                   tuning: ElementwiseTuning = _TUNING) -> torch.Tensor:
     """apply_rope then write_kv in one launch: returns the rotated q; the rotated k and v go
     straight into their cache slots (no intermediate k tensor)."""
+    from .attention_tiles_triton import is_fp8
     from .write_kv_triton import _cache_ok
 
     t, hq, d = q.shape
     hk = k.shape[1]
-    if not (_cache_ok(k_cache) and _cache_ok(v_cache) and k_cache.dtype == k.dtype):
+    if not (_cache_ok(k_cache) and _cache_ok(v_cache)
+            and (k_cache.dtype == k.dtype or is_fp8(k_cache))):
         from .rope import rope_write_kv_ref
         return rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     q_out = _new(q.shape, q.dtype, q.device)

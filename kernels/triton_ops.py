@@ -27,6 +27,33 @@ def _interpreter_compat() -> None:
 
     interpreter._patch_lang_tensor = patched
     interpreter._graphexec_index_patch = True
+    _interpreter_fp8_rounding(interpreter)
+
+
+def _interpreter_fp8_rounding(interpreter) -> None:
+    """The interpreter's float -> e4m3 conversion drops the carry when rounding up overflows
+    the mantissa (127.9 becomes 64, not 128), so an fp8 KV cache written under it would be
+    wrong where the GPU's conversion is right; convert through torch (round to nearest even,
+    saturating) instead."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    original = interpreter._convert_float
+    floats = {tl.float32: np.float32, tl.float16: np.float16}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in (*floats, tl.bfloat16):
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        if input_dtype == tl.bfloat16:  # held as uint16: the top half of an fp32
+            bits = np.frombuffer(data.tobytes(), dtype=np.uint16).astype(np.uint32) << 16
+            x = bits.view(np.float32)
+        else:
+            x = np.frombuffer(data.tobytes(), dtype=floats[input_dtype]).astype(np.float32)
+        out = torch.from_numpy(x.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return out.reshape(data.shape)
+
+    interpreter._convert_float = convert
 
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_tiles_triton import to_cache
+
 
 def _cache_ok(cache: torch.Tensor) -> bool:
     # Slots of a block must be evenly strided so a flat slot index addresses them.
@@ -27,9 +29,9 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, D,
             k = tl.load(k_ptr + t * sk0 + h[:, None] * sk1 + ds[None, :], mask=mask)
             v = tl.load(v_ptr + t * sv0 + h[:, None] * sv1 + ds[None, :], mask=mask)
             tl.store(kc_ptr + slot * skc + h[:, None] * skh + ds[None, :],
-                     k.to(kc_ptr.dtype.element_ty), mask=mask)
+                     to_cache(k, kc_ptr), mask=mask)
             tl.store(vc_ptr + slot * svc + h[:, None] * svh + ds[None, :],
-                     v.to(vc_ptr.dtype.element_ty), mask=mask)
+                     to_cache(v, vc_ptr), mask=mask)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

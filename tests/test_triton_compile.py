@@ -495,3 +495,33 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
             consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
             assert fast > 0, (name, sorted(consts.items()))
             assert not consts["UPCAST"]
+
+
+def test_kv_kernels_compile_for_an_fp8_cache(compiled):
+    """kv_cache_dtype="fp8": the KV writes (alone, with rope, inside the fused decode
+    attention) convert to e4m3 with saturation, and decode and prefill attention read it."""
+    from graphexec.kernels import rope, write_kv_triton
+    from graphexec.kernels.attention_decode_triton import decode_attention_splits
+    from graphexec.kernels.triton_ops import TRITON_OPS as ops
+
+    t, hq, hk, d, bs, nb = 6, 32, 8, 128, 16, 64
+    q, k, v = _bf16(t, hq, d), _bf16(t, hk, d), _bf16(t, hk, d)
+    pos, slots = torch.arange(t), torch.arange(t)
+    cos, sin = rope.rope_cos_sin(4096, d, 500000.0)
+    kc, vc = (torch.zeros(nb, bs, hk, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+    ops.rope_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
+    write_kv_triton.write_kv(kc, vc, k, v, slots)
+    tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
+    lens = torch.full((t,), 100, dtype=torch.int32)
+    decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 1,
+                            rope=(k, v, pos, cos, sin, slots))
+    decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 4)
+    cu = torch.tensor([0, 2, t], dtype=torch.int32)
+    ops.prefill_attention(q, kc, vc, cu, torch.tensor([50, 4], dtype=torch.int32),
+                          tables[:2], d ** -0.5)
+    names = [name for name, _ in compiled]
+    assert {"_rope_write_kv_kernel", "_write_kv_kernel", "_decode_split_kernel",
+            "_prefill_kernel"} <= set(names), names
+    for name, kernel in compiled:
+        if name in ("_rope_write_kv_kernel", "_write_kv_kernel"):
+            assert "cvt.rn.satfinite.e4m3x2" in kernel.asm["ptx"], name

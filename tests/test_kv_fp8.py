@@ -1,0 +1,64 @@
+"""kv_cache_dtype="fp8" through the whole engine (CPU, the reference kernels): greedy output
+equals transformers whose keys (after rope) and values are rounded to e4m3 the same way, and
+the cache holds four times the fp32 blocks in the same memory."""
+import copy
+
+import pytest
+import torch
+
+from conftest import make_hf_model
+from graphexec import LLM, Engine, SamplingParams
+from graphexec.config import EngineConfig
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9]]
+
+
+def _fp8(x):
+    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("llama-kv-fp8"))
+    return d, make_hf_model(d, "llama")
+
+
+def test_greedy_generation_matches_transformers_with_fp8_keys_and_values(hf_llama,
+                                                                         monkeypatch):
+    import transformers.models.llama.modeling_llama as modeling
+
+    path, hf = hf_llama
+    hf = copy.deepcopy(hf)
+    rope = modeling.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb",
+                        lambda q, k, cos, sin, *a, **kw: (lambda q, k: (q, _fp8(k)))(
+                            *rope(q, k, cos, sin, *a, **kw)))
+    for layer in hf.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda mod, inp, out: _fp8(out))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(path, device="cpu", dtype="float32", max_batch=4, num_kv_blocks=64,
+             block_size=4, kv_cache_dtype="fp8") as llm:
+        assert llm.engine.kv.k[0].dtype == torch.float8_e4m3fn
+        outs = llm.generate(PROMPTS, params)
+    dense = LLM(path, device="cpu", dtype="float32", max_batch=4, num_kv_blocks=64,
+                block_size=4).generate(PROMPTS, params)
+    for p, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(p):].tolist()
+    # the rounding is visible: fp8 keys and values change some greedy continuation
+    assert any(a.token_ids != b.token_ids for a, b in zip(outs, dense))
+
+
+def test_fp8_cache_holds_more_blocks_in_the_same_memory():
+    opts = dict(device="cpu", dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+    dense, fp8 = Engine("tiny", **opts), Engine("tiny", kv_cache_dtype="fp8", **opts)
+    assert fp8.pool.num_blocks == 4 * dense.pool.num_blocks
+    assert fp8.kv.v[0].element_size() == 1
+
+
+@pytest.mark.parametrize("value", ["fp16", "int8", None])
+def test_bad_kv_cache_dtype_is_a_value_error(value):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="tiny", device="cpu", kv_cache_dtype=value)
