@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..spec import SpeculativeConfig
 from .config import ServeConfig
 from .engine_loop import Phase
+from .routing import ROUTINGS
 from .timeouts import ReadTimeouts, protocol_class
 
 log = logging.getLogger("graphexec.serve")
@@ -69,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="reuse the KV of prompt prefixes seen before")
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="GPUs (CPU processes) the model is split over, one worker each")
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engine replicas behind this server, each a whole model on "
+                         "--tensor-parallel-size GPUs of its own (replica r from GPU r*tp on)")
+    ap.add_argument("--data-parallel-routing", choices=ROUTINGS, default=None,
+                    help="how a request picks its replica: prefix (where its prompt's "
+                         "leading KV blocks are cached; the default with prefix caching) or "
+                         "load (the least busy; the default without)")
     ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
     ap.add_argument("--projections", default=None, help="auto or cublas")
     ap.add_argument("--speculative-draft", default=None,
@@ -111,6 +119,26 @@ def engine_options(args: argparse.Namespace, ap_error) -> dict:
     return opts
 
 
+def replica_options(model: str, opts: dict, replicas: int, ap_error) -> list[dict]:
+    """Each data-parallel replica's engine options: on CUDA, replica r takes the
+    tensor-parallel group of GPUs from (first + r * tp) on; on the CPU they share the host."""
+    if replicas < 1:
+        ap_error(f"--data-parallel-size must be at least 1, got {replicas}")
+    config = EngineConfig(model=model, **opts)
+    if replicas == 1 or config.device.type != "cuda":
+        return [dict(opts) for _ in range(replicas)]
+    first, tp = config.device.index or 0, config.tensor_parallel_size
+    out = []
+    for r in range(replicas):
+        device = f"cuda:{first + r * tp}"
+        try:
+            EngineConfig(model=model, **{**opts, "device": device})
+        except ValueError as e:
+            ap_error(f"--data-parallel-size {replicas}: replica {r}: {e}")
+        out.append({**opts, "device": device})
+    return out
+
+
 class _Server(uvicorn.Server):
     """Uvicorn's server, telling the app the moment a shutdown signal arrives: from then on
     /health answers 503 and new requests are refused while the open ones finish."""
@@ -140,9 +168,12 @@ def main(argv: list[str] | None = None) -> None:
         ap_error(f"--timeout-keep-alive must be positive, got {args.timeout_keep_alive}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    per_replica = replica_options(args.model, opts, args.data_parallel_size, ap_error)
+    routing = args.data_parallel_routing or (
+        "prefix" if opts.get("enable_prefix_caching") else "load")
     config = ServeConfig(model=args.model, served_model_name=args.served_model_name or args.model,
                          engine_options=opts, api_key=args.api_key, max_queue=args.max_queue,
-                         max_request_bytes=args.max_request_bytes)
+                         max_request_bytes=args.max_request_bytes, routing=routing)
     from ..engine import Engine
     from .app import build_app
 
@@ -152,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, functools.partial(Engine, args.model, **opts), on_fatal=on_fatal,
-                    log_level=args.log_level)
+    app = build_app(config, [functools.partial(Engine, args.model, **o) for o in per_replica],
+                    on_fatal=on_fatal, log_level=args.log_level)
     state = app.state.server
 
     def on_exit() -> None:  # in the signal handler: only flag setting and a reentrant put

@@ -16,18 +16,28 @@ from .config import ServeConfig
 from .engine_loop import EngineLoop
 from .limits import RequestLimits
 from .metrics import ServerMetrics
+from .replicas import Replicas
 from .render import created
+from .routing import Router
 from .state import ServerState
 
 
-def build_app(config: ServeConfig, engine_factory: Callable[[], object],
+def build_app(config: ServeConfig, engine_factory: Callable[[], object] | list,
               on_fatal: Callable[[], None] | None = None, log_level: str = "INFO") -> FastAPI:
     """engine_factory builds the Engine; it runs in the engine process (so it must pickle),
     started once the server is listening, so /health answers 503 while weights load and
-    graphs are captured. on_fatal: called (from the event reader thread) if the engine fails
-    to start or dies."""
-    loop = EngineLoop(engine_factory, on_fatal=on_fatal, log_level=log_level)
+    graphs are captured. A list of them: one engine process each, data-parallel replicas
+    behind this front end (replicas.py). on_fatal: called (from the event reader thread) if
+    the engine (every replica) fails to start or dies."""
+    factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
+    if len(factories) == 1:
+        loop = EngineLoop(factories[0], on_fatal=on_fatal, log_level=log_level)
+    else:
+        loop = Replicas(factories, Router(len(factories), routing=config.routing),
+                        on_fatal=on_fatal, log_level=log_level)
     metrics = ServerMetrics(lambda: loop.snapshot, loop.num_waiting)
+    if isinstance(loop, Replicas):
+        metrics.registry.register(loop)
     loop.observer = metrics.observe
     state = ServerState(config, loop, metrics)
 
@@ -61,10 +71,12 @@ def build_app(config: ServeConfig, engine_factory: Callable[[], object],
 
     @app.get("/health")
     async def health() -> Response:
+        # Replicas: 200 while any serves, and the body says which are down.
+        replicas = {"replicas": loop.health()} if isinstance(loop, Replicas) else {}
         if state.ready:
-            return Response(status_code=200)
-        return JSONResponse({"status": "draining" if state.draining else loop.phase.value},
-                            status_code=503)
+            return JSONResponse(replicas) if replicas else Response(status_code=200)
+        return JSONResponse({"status": "draining" if state.draining else loop.phase.value,
+                             **replicas}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .limits import DEFAULT_MAX_REQUEST_BYTES
+from .routing import ROUTINGS
 
 
 @dataclass
@@ -17,6 +18,9 @@ class ServeConfig:
     max_queue: int = 256
     # Bodies above this are refused with 413 before they are read (limits.py).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Data-parallel replicas: "prefix" sends a request where its leading KV blocks are likely
+    # cached (unless that replica is much busier), "load" to the least busy (routing.py).
+    routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -24,5 +28,7 @@ class ServeConfig:
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be a positive integer, got "
                              f"{self.max_request_bytes!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")

@@ -17,6 +17,7 @@ class ModelInfo:
     # needs more is refused (the engine would refuse it too, see Engine._check_fits).
     kv_capacity_tokens: int
     kv_blocks: int
+    block_size: int  # tokens per KV block (data-parallel routing keys prompts by blocks)
     tokenizer: object | None
 
     @classmethod
@@ -25,4 +26,5 @@ class ModelInfo:
         return cls(max_model_len=engine.max_model_len,
                    vocab_size=engine.model_config.vocab_size,
                    kv_capacity_tokens=blocks * engine.config.block_size - engine.runner.k,
-                   kv_blocks=blocks, tokenizer=engine.tokenizer)
+                   kv_blocks=blocks, block_size=engine.config.block_size,
+                   tokenizer=engine.tokenizer)
