@@ -51,7 +51,8 @@ class EngineConfig:
     # A quantized checkpoint loads as stored whatever this says (graphexec/model/quantize.py).
     quantization: str | None = None
     # The paged KV cache's element type: "auto" (the activation dtype) or "fp8" (e4m3,
-    # saturating at 448: half of bf16's bytes, so twice the blocks in the same memory).
+    # saturating at 448: half of bf16's bytes, so twice the blocks in the same memory; a
+    # checkpoint's k_scale / v_scale are folded into its projections, model/kv_scales.py).
     kv_cache_dtype: str = "auto"
     # Ranks the model is split over (the vLLM name): one process each, rank 0 this one; on
     # CUDA one device each, from `device` on (docs/architecture.md, "Tensor parallelism").

@@ -40,7 +40,8 @@ def resolve_max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
 def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shard = UNSHARDED,
                make_runner: Callable[..., ModelRunner] = ModelRunner) -> Rank:
     whole, weights = load_model(source, cfg.device, cfg.dtype, seed=cfg.seed, shard=shard,
-                                quantization=cfg.quantization)
+                                quantization=cfg.quantization,
+                                kv_cache_dtype=cfg.kv_cache_dtype)
     mc = shard.config(whole)
     num_blocks = _num_kv_blocks(cfg, mc, max_len)
     if shard.sharded:  # block ids are shared: every rank's cache has the smallest one's size

@@ -88,6 +88,11 @@ class QuantizedWeight:
                        scale=self.scale[start:stop].contiguous(),
                        zero=None if self.zero is None else self.zero[start:stop].contiguous())
 
+    def scaled(self, factors: torch.Tensor) -> QuantizedWeight:
+        """The weight with output channel n multiplied by factors[n]: only the scales change."""
+        f = factors.to(self.scale.device, torch.float32)
+        return replace(self, scale=self.scale * (f if self.format == "fp8" else f[:, None]))
+
     def cols(self, start: int, stop: int) -> QuantizedWeight:
         """Input columns start..stop: fp8 scales are per row and stay; int4 keeps whole groups,
         so a slice that would cut one is a ValueError."""

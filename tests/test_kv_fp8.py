@@ -62,3 +62,67 @@ def test_fp8_cache_holds_more_blocks_in_the_same_memory():
 def test_bad_kv_cache_dtype_is_a_value_error(value):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model="tiny", device="cpu", kv_cache_dtype=value)
+
+
+def _add_kv_scales(path, scales):
+    """The checkpoint at path with per-layer k_scale / v_scale tensors beside its weights, as
+    llm-compressor saves an fp8 KV-cache scheme."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    for i, (ks, vs) in enumerate(scales):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(ks)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(vs)
+    save_file(tensors, f)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the scales go into the qk norms
+def test_checkpoint_kv_scales_match_transformers_caching_k_and_v_over_them(tmp_path,
+                                                                           monkeypatch, arch):
+    """With k_scale / v_scale the cache holds fp8(k / k_scale) and fp8(v / v_scale): greedy
+    output equals transformers rounding its keys and values that way (powers of two, so the
+    scales folded into the projections change no other rounding)."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    path = str(tmp_path)
+    hf = make_hf_model(path, arch)
+    scales = [(4.0, 0.125), (0.5, 2.0)]  # per layer: large enough to move fp8's rounding
+    _add_kv_scales(path, scales)
+    current = {}
+    rope = modeling.apply_rotary_pos_emb
+
+    def rounded_rope(q, k, cos, sin, *a, **kw):
+        q, k = rope(q, k, cos, sin, *a, **kw)
+        ks = scales[current["layer"]][0]
+        return q, _fp8(k / ks) * ks
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rounded_rope)
+    for i, layer in enumerate(hf.model.layers):
+        vs = scales[i][1]
+        layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, i=i: current.__setitem__("layer", i))
+        layer.self_attn.v_proj.register_forward_hook(
+            lambda mod, inp, out, vs=vs: _fp8(out / vs) * vs)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(path, device="cpu", dtype="float32", max_batch=4, num_kv_blocks=64,
+             block_size=4, kv_cache_dtype="fp8") as llm:
+        outs = llm.generate(PROMPTS, params)
+        # the cache holds v / v_scale: layer 0's values are 8x what v_proj gives
+        assert llm.engine.kv.v[0].float().abs().max() > 4 * llm.engine.kv.v[1].float().abs().max()
+    for p, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(p):].tolist()
+
+
+def test_partial_kv_scales_are_a_value_error(tmp_path):
+    path = str(tmp_path)
+    make_hf_model(path, "llama")
+    _add_kv_scales(path, [(1.0, 1.0)])  # layer 0 only
+    with pytest.raises(ValueError, match="some layers only"):
+        Engine(path, device="cpu", dtype="float32", num_kv_blocks=16, kv_cache_dtype="fp8")

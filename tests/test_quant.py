@@ -67,3 +67,10 @@ def test_bad_layouts_are_value_errors():
         QuantizedWeight("fp8", torch.zeros(2, 2), torch.ones(2))
     with pytest.raises(ValueError, match="group_size"):
         quantize_int4(torch.randn(4, 200), 128)
+
+
+def test_scaled_multiplies_output_channels_through_their_scales():
+    w = torch.randn(6, 256)
+    f = torch.tensor([1.0, 2.0, 0.5, 4.0, 0.25, 3.0])
+    for qw in (quantize_fp8(w), quantize_int4(w, 64, False)):
+        torch.testing.assert_close(dequantize(qw.scaled(f)), dequantize(qw) * f[:, None])

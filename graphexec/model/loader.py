@@ -11,6 +11,7 @@ import torch
 
 from .compressed import CompressedSource, read_scheme
 from .config import PRESETS, ModelConfig, preset
+from .kv_scales import fold_kv_scales, read_kv_scales
 from .gguf import GGUFFile, config_from_gguf, load_gguf_weights, open_gguf
 from .layer_walk import TensorNames, walk_weights
 from .llama import LayerWeights, ModelWeights
@@ -95,18 +96,19 @@ def read_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               seed: int = 0, shard: Shard = UNSHARDED, quantization: str | None = None
-               ) -> tuple[ModelConfig, ModelWeights]:
+               seed: int = 0, shard: Shard = UNSHARDED, quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> tuple[ModelConfig, ModelWeights]:
     """The whole model's config and the weights of one tensor-parallel rank (`shard`; all of
     them by default): shard.config(config) is the shape those weights compute. quantization:
     the projections quantized online (model/quantize.py); a quantized checkpoint's stay as
-    stored."""
+    stored. kv_cache_dtype "fp8": a checkpoint's KV-cache scales folded in."""
     mc = read_model_config(source)
     shard.check(mc, source.path)
     if source.kind == "gguf":
         weights = load_gguf_weights(_gguf(source), mc, device, dtype, shard)
     elif source.kind == "hf":
-        weights = load_weights(source.path, mc, device, dtype, shard)
+        weights = load_weights(source.path, mc, device, dtype, shard,
+                               kv_scales=kv_cache_dtype != "auto")
     else:
         weights = random_weights(mc, device, dtype, seed=seed, shard=shard)
     return mc, quantize_weights(weights, check_quantization(quantization))
@@ -220,13 +222,17 @@ HF_NAMES = TensorNames(
 
 
 def load_weights(path: str, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, shard: Shard = UNSHARDED) -> ModelWeights:
-    """A quantized checkpoint's projections come back as stored (model/compressed.py)."""
-    src = _TensorSource(path, device, dtype, shard)
+                 dtype: torch.dtype, shard: Shard = UNSHARDED,
+                 kv_scales: bool = False) -> ModelWeights:
+    """A quantized checkpoint's projections come back as stored (model/compressed.py).
+    kv_scales: the checkpoint's k_scale / v_scale, if any, folded in (an fp8 KV cache,
+    model/kv_scales.py)."""
+    base = _TensorSource(path, device, dtype, shard)
     scheme = read_scheme(path)
-    if scheme is not None:
-        src = CompressedSource(src, scheme, dtype)
-    return walk_weights(src, HF_NAMES, config, path)
+    src = base if scheme is None else CompressedSource(base, scheme, dtype)
+    weights = walk_weights(src, HF_NAMES, config, path)
+    scales = read_kv_scales(base, config, path) if kv_scales else None
+    return weights if scales is None else fold_kv_scales(weights, shard.config(config), scales)
 
 
 # fp32 elements drawn at once by random_weights (256 MiB)
