@@ -108,3 +108,11 @@ def test_a_rank_quantizes_its_share():
                                rtol=0, atol=0)
     with pytest.raises(ValueError, match="straddle"):
         load_model(src, cpu, torch.float32, shard=Shard(rank=0, size=2), quantization="int4")
+
+
+def test_server_flags_reach_the_engine_options():
+    from graphexec.serve.__main__ import engine_options, parse_args
+
+    args = parse_args(["--model", "tiny", "--quantization", "int4", "--kv-cache-dtype", "fp8"])
+    opts = engine_options(args, pytest.fail)
+    assert opts["quantization"] == "int4" and opts["kv_cache_dtype"] == "fp8"

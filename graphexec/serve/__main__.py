@@ -26,6 +26,7 @@ _ENGINE_FLAGS = {"device": "device", "dtype": "dtype", "max_batch": "max_batch",
                  "kv_cache_memory": "kv_cache_memory", "block_size": "block_size",
                  "seed": "seed", "max_num_batched_tokens": "max_num_batched_tokens",
                  "manifest": "manifest", "projections": "projections",
+                 "quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype",
                  "tensor_parallel_size": "tensor_parallel_size"}
 
 
@@ -79,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "load (the least busy; the default without)")
     ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
     ap.add_argument("--projections", default=None, help="auto or cublas")
+    ap.add_argument("--quantization", default=None,
+                    help="weights quantized at load: none, fp8, int4, int4_asym (a quantized "
+                         "checkpoint loads as stored without it)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="KV cache: auto or fp8")
     ap.add_argument("--speculative-draft", default=None,
                     help="speculative decoding: self:N, a preset or a draft model directory")
     ap.add_argument("--num-speculative-tokens", type=int, default=4,
