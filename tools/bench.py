@@ -13,7 +13,8 @@ docs/benchmarks.md` also appends the tables (with date, GPU and command) to that
 per rank); a model named `<preset>-tp<N>rank` is one rank's share of the preset alone, at size 1
 (tools/rank_shapes.py). `--quantization none fp8 int4` runs each configuration with its
 weights quantized at load, the roofline then from the bytes each format's projections read
-(scales included). Without CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
+(scales included); `--kv-cache-dtype auto fp8` likewise with the KV cache in e4m3. Without
+CUDA it still runs (`--models tiny --modes eager --hf-kinds`), to check the
 benchmark, not to measure.
 """
 from __future__ import annotations
@@ -91,7 +92,8 @@ def weight_bytes_per_rank(mc, tp: int) -> int:
 def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int,
                     bandwidth: float, max_batch: int, llm: LLM | None = None,
                     diagnose: bool = False, projections: str = "auto",
-                    tp: int = 1, quantization: str = "none") -> tuple[dict, LLM]:
+                    tp: int = 1, quantization: str = "none",
+                    kv_cache_dtype: str = "auto") -> tuple[dict, LLM]:
     mc = preset(model)
     max_len = prompt_len + new + 16
     if llm is None:
@@ -99,8 +101,8 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
         kernels = (dict(batch_invariant=True) if projections == "invariant"
                    else dict(projections=projections))
         llm = LLM(model, max_batch=max_batch, num_kv_blocks=blocks, max_model_len=max_len,
-                  tensor_parallel_size=tp, quantization=quantization, **kernels,
-                  **MODES[mode])
+                  tensor_parallel_size=tp, quantization=quantization,
+                  kv_cache_dtype=kv_cache_dtype, **kernels, **MODES[mode])
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = _prompts(batch, prompt_len, mc.vocab_size)
@@ -147,7 +149,7 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
     # a quantized model's floor: the bytes its projections read as stored, scales included
     weights = (weight_bytes_per_rank(mc, tp) if quantization == "none"
                else weight_bytes(engine.model.weights))
-    kv_per_token = kv_bytes_per_block(mc, 16, torch.bfloat16) / 16 / tp
+    kv_per_token = kv_bytes_per_block(mc, 16, engine.config.kv_dtype) / 16 / tp
     avg_ctx = prompt_len + new / 2
     roofline = (weights + batch * avg_ctx * kv_per_token) / bandwidth
     label = mode if projections == "auto" else f"{mode} {projections}-proj"
@@ -155,8 +157,11 @@ def bench_graphexec(model: str, mode: str, batch: int, prompt_len: int, new: int
         label += f" tp{tp}"
     if quantization != "none":
         label += f" {quantization}"
+    if kv_cache_dtype != "auto":
+        label += f" kv-{kv_cache_dtype}"
     res = dict(engine="graphexec", mode=label, projections=projections, tensor_parallel_size=tp,
                quantization=quantization, weight_bytes=weights,
+               kv_cache_dtype=kv_cache_dtype, kv_bytes_per_token=kv_per_token,
                model=model, batch=batch, prompt=prompt_len,
                new_tokens=new, wall_s=wall, tokens_per_s=batch * new / wall, steps=steps,
                decode_step_ms=step_time * 1e3, decode_tokens_per_s=batch / step_time,
@@ -268,19 +273,19 @@ def bench_hf(model: str, kind: str, batch: int, prompt_len: int, new: int) -> di
 def run_decode(models, batches, shapes, hf_batches, out_dir,
                hf_kinds=("eager", "static+compile"), modes=tuple(MODES),
                diagnose: bool = False, projections=("auto",), tps=(1,),
-               quantizations=("none",)) -> list[dict]:
+               quantizations=("none",), kv_dtypes=("auto",)) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [dict(engine="hbm", copy_bandwidth_TBps=bw / 1e12)]
     for model in models:
-        for mode, proj, tp, quant in itertools.product(modes, projections, tps,
-                                                       quantizations):
+        for mode, proj, tp, quant, kv in itertools.product(modes, projections, tps,
+                                                           quantizations, kv_dtypes):
             for prompt_len, new in shapes:
                 llm = None  # a new engine per shape: max_model_len and KV sized for it
                 for batch in batches:
                     res, llm = bench_graphexec(model, mode, batch, prompt_len, new, bw,
                                                max(batches), llm, diagnose, proj, tp,
-                                               quant)
+                                               quant, kv)
                     print(json.dumps(res))
                     rows.append(res)
                 # Free this engine's graphs, buffers and KV before the next configuration's
@@ -410,6 +415,8 @@ def main() -> None:
                     choices=list(QUANTIZATIONS),
                     help="decode: weights quantized at load; the roofline counts the bytes "
                          "each format reads")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                    help="decode: the KV cache's dtype; the roofline counts its bytes")
     ap.add_argument("--out", default="out")
     ap.add_argument("--docs", default=None,
                     help="append the markdown tables to this file (docs/benchmarks.md)")
@@ -442,7 +449,7 @@ def main() -> None:
         batches = args.batches or [1, 16, 64, 256]
         rows = run_decode(args.models, batches, shapes, args.hf_batches, args.out,
                           args.hf_kinds, args.modes, args.diagnose, args.projections, args.tp,
-                          args.quantization)
+                          args.quantization, args.kv_cache_dtype)
         tag = "-".join(args.models)
         plot(rows, os.path.join(args.out, f"decode_{tag}.png"))
         md = markdown(rows, command)
