@@ -126,3 +126,13 @@ def test_partial_kv_scales_are_a_value_error(tmp_path):
     _add_kv_scales(path, [(1.0, 1.0)])  # layer 0 only
     with pytest.raises(ValueError, match="some layers only"):
         Engine(path, device="cpu", dtype="float32", num_kv_blocks=16, kv_cache_dtype="fp8")
+
+
+def test_async_equals_sync_on_an_fp8_cache_with_prefix_caching():
+    from test_engine import _mixed_requests, _same, run_engine
+
+    reqs = _mixed_requests(12, seed=2)
+    opts = dict(device="cpu", max_batch=8, num_kv_blocks=128, kv_cache_dtype="fp8",
+                enable_prefix_caching=True, quantization="int4")
+    sync = run_engine(Engine("tiny", async_scheduling=False, **opts), reqs)
+    _same(sync, run_engine(Engine("tiny", **opts), reqs))
