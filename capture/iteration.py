@@ -18,6 +18,7 @@ class SampleOut:
     logprob: torch.Tensor | None = None  # [n] chosen token's logprob
     top_logprobs: torch.Tensor | None = None  # [n, 20]
     top_ids: torch.Tensor | None = None  # [n, 20]
+    prompt: tuple[torch.Tensor, ...] | None = None  # prompt logprobs (capture/prompt_logprobs.py)
 
 
 def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slice,

@@ -25,6 +25,7 @@ import torch
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .iteration import SampleOut, sample_rows
 from .prefill import PrefillMeta
+from .prompt_logprobs import prompt_logprobs
 from .state import DecodeState
 
 # The decode part's attention sizes its split count as for a batch of this many rows (None: its
@@ -37,7 +38,8 @@ DECODE_SPLIT_ROWS: int | None = 8
 
 def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
                decode_rows: int, block_size: int, with_logprobs: bool,
-               draft=None, penalties: bool = False) -> SampleOut:
+               draft=None, penalties: bool = False,
+               prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOut:
     """Writes the chunks' KV, samples each chunk's next token from its last position and sets
     the joining rows' next input, position and step (returned: the chunks' samples); decodes
     rows [0, meta.num_decode) as the decode iteration does, their tokens where it leaves them
@@ -81,6 +83,9 @@ def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefill
     if draft is not None and not draft.shares_target_kv:
         draft.model.forward(ids, positions, attn, draft.kv)  # the draft's own KV
     logits = model.compute_logits(hidden.rows(last))
+    prompt = None
+    if prompt_rows is not None:  # (packed positions, the prompt tokens after them)
+        prompt = prompt_logprobs(model, hidden, *prompt_rows, state.out_top_ids.shape[-1])
     state.steps[rows] = steps
     # penalties: the joining rows' slots were filled by this step's delta, before it
     out = sample_rows(model, state, rows, logits, with_logprobs,
@@ -89,12 +94,14 @@ def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefill
     state.input_ids[rows] = torch.where(samples.bool(), out.tokens, next_input)
     state.positions[rows] = next_position
     state.steps[rows] = steps + samples
+    out.prompt = prompt
     if not r:
         return out
     state.out_tokens[:r, 0] = out.tokens[:r]
     if not with_logprobs:
-        return SampleOut(out.tokens[r:])
+        return SampleOut(out.tokens[r:], prompt=prompt)
     state.out_logprob[:r, 0] = out.logprob[:r]
     state.out_top_logprobs[:r, 0] = out.top_logprobs[:r]
     state.out_top_ids[:r, 0] = out.top_ids[:r]
-    return SampleOut(out.tokens[r:], out.logprob[r:], out.top_logprobs[r:], out.top_ids[r:])
+    return SampleOut(out.tokens[r:], out.logprob[r:], out.top_logprobs[r:], out.top_ids[r:],
+                     prompt)

@@ -41,6 +41,9 @@ class StepResults:
     decode: ResultRows  # one per decode row, in row order
     prefill: ResultRows  # one per prompt chunk, in launch order: its one sample, W = 1
     with_logprobs: bool
+    # prompt logprobs (chosen [P], top values [P, N], top ids [P, N]) of the chunks that asked,
+    # in launch order (graphexec/plan.py, PrefillChunk.logprob_targets)
+    prompt: tuple | None = None
 
 
 @dataclass

@@ -159,6 +159,8 @@ class Engine:
                       # down the sampler's slow exact path
                       top_k=params.top_k if 0 < params.top_k < vocab else 0,
                       logprobs=[] if params.logprobs is not None else None,
+                      prompt_logprobs=([None] * len(prompt)
+                                       if params.prompt_logprobs is not None else None),
                       text=(RequestText.create(self.tokenizer, params)
                             if self.tokenizer is not None else None))
         self.requests[request_id] = req
@@ -312,6 +314,8 @@ class Engine:
                                res.with_logprobs)
                    + _row_tokens(res.decode, res.decode.counts.tolist(), wants[chunks:],
                                  res.with_logprobs))
+        if res.prompt is not None:
+            _prompt_logprobs(plan, res.prompt)
         touched = []
         for (req, fewest, most), (tokens, logprobs) in zip(step.rows, emitted):
             n = req.reconciled(fewest, most, tokens, logprobs)
@@ -339,6 +343,18 @@ def _row_tokens(rows: ResultRows, counts: list[int], wants: list[int | None],
                 TokenLogprob(toks[i][j], lp[i][j], dict(zip(top_ids[i][j][:w], top_lp[i][j][:w])))
                 for j in range(c)])
             for i, (c, w) in enumerate(zip(counts, wants))]
+
+
+def _prompt_logprobs(plan: Plan, values: tuple) -> None:
+    """Hands each chunk that asked its share of the step's prompt logprobs."""
+    chosen, top_vals, top_ids = (v.tolist() for v in values)
+    at = 0
+    for req, chunk in zip(plan.prefill_requests, plan.prefills):
+        n = len(chunk.logprob_targets or ())
+        if n:
+            req.set_prompt_logprobs(chunk.start, chosen[at:at + n], top_vals[at:at + n],
+                                    top_ids[at:at + n])
+            at += n
 
 
 def _apply_manifest(cfg: EngineConfig) -> None:

@@ -22,7 +22,8 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finish_reason",
                  "new_text", "num_drafted_tokens", "num_accepted_tokens", "_tokens", "_n_tokens",
-                 "_logprobs", "_n_logprobs", "_text", "_text_pieces", "_n_text_pieces")
+                 "_logprobs", "_n_logprobs", "_text", "_text_pieces", "_n_text_pieces",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int],
                  new_token_ids: list[int] | None = None, finish_reason: str | None = None,
@@ -30,8 +31,11 @@ class RequestOutput:
                  num_drafted_tokens: int = 0, num_accepted_tokens: int = 0, *,
                  num_tokens: int | None = None, num_logprobs: int | None = None,
                  new_text: str | None = None, text_pieces: list[str] | None = None,
-                 num_text_pieces: int = 0):
+                 num_text_pieces: int = 0,
+                 prompt_logprobs: list[TokenLogprob | None] | None = None):
         self.request_id = request_id
+        # SamplingParams.prompt_logprobs: one per prompt token, None for the first
+        self.prompt_logprobs = prompt_logprobs
         self.prompt_token_ids = prompt_token_ids
         self.new_token_ids = new_token_ids if new_token_ids is not None else []
         self.finish_reason = finish_reason  # "stop" | "length" | "abort"; None while running

@@ -114,6 +114,9 @@ class PrefillChunk:
     row: int | None = None  # the DecodeState row it joins as, on its last chunk
     step: int = 0  # index of the next output token of this request
     resume_token: int | None = None  # evicted request: its last token, next input; no sample
+    # prompt_logprobs: the prompt tokens that follow positions start, start + 1, ... in this
+    # chunk, whose logprobs the step computes (eagerly); None: none asked
+    logprob_targets: list[int] | None = None
 
     @property
     def samples(self) -> int:

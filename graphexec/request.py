@@ -48,6 +48,8 @@ class Request:
     num_computed: int = 0
     block_keys: list[bytes] = field(default_factory=list)  # prefix caching: full blocks' keys
     text: RequestText | None = None  # with a tokenizer: the output text, stop strings
+    # prompt_logprobs: one per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # output tokens at which it ends by length: max_tokens, or the context limit if sooner
     output_limit: int = field(init=False)
 
@@ -118,6 +120,16 @@ class Request:
         elif n >= self.output_limit:
             self.finish("length")
 
+    def set_prompt_logprobs(self, start: int, chosen: list[float], top_vals: list[list[float]],
+                            top_ids: list[list[int]]) -> None:
+        """The logprobs of prompt tokens start + 1, start + 2, ... (a chunk's share). A prompt
+        prefilled again after an eviction writes the same entries again."""
+        n = self.params.prompt_logprobs
+        for j, lp in enumerate(chosen):
+            pos = start + 1 + j
+            self.prompt_logprobs[pos] = TokenLogprob(self.prompt[pos], lp,
+                                                     dict(zip(top_ids[j][:n], top_vals[j][:n])))
+
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
@@ -131,6 +143,7 @@ class Request:
             num_accepted_tokens=self.num_accepted, num_tokens=len(self.output),
             num_logprobs=len(self.logprobs) if self.logprobs is not None else None,
             new_text=new_text, text_pieces=text.pieces if text is not None else None,
-            num_text_pieces=len(text.pieces) if text is not None else 0)
+            num_text_pieces=len(text.pieces) if text is not None else 0,
+            prompt_logprobs=self.prompt_logprobs)
         self.new_tokens = []
         return out

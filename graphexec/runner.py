@@ -17,6 +17,7 @@ from .capture.results import ResultRing, StepResults
 from .capture.spec_iteration import DraftModel, spec_iteration
 from .capture.staging import H2DRing
 from .capture.penalties import pack_init
+from .capture.prompt_logprobs import pack_rows, to_pinned
 from .capture.state import DecodeState, pack_delta
 from .model import KVCache, LlamaModel
 from .plan import MAX_PREFILL_SEQS, PrefillChunk, StepDelta, Variant
@@ -32,6 +33,8 @@ class Launched:
     num_prefill: int  # prompt chunks it ran
     num_decode: int  # rows it decoded: rows [0, num_decode) of the batch
     with_logprobs: bool
+    # prompt logprobs of its chunks, in pinned memory once the step's event fired
+    prompt: tuple[torch.Tensor, ...] | None = None
 
 
 class ModelRunner:
@@ -96,8 +99,9 @@ class ModelRunner:
                 self._apply_delta(delta)
             slot = self.results.take()
             num_decode, samples = self._run(prefills, bucket, variant)
+            prompt = to_pinned(samples.prompt) if samples and samples.prompt else None
             self._copy_out(slot, samples, len(prefills), num_decode, variant.logprobs)
-        return Launched(slot, len(prefills), num_decode, variant.logprobs)
+        return Launched(slot, len(prefills), num_decode, variant.logprobs, prompt)
 
     def apply_delta(self, delta: StepDelta) -> None:
         """Enqueues the batch change alone. Also for a step that runs nothing: rows that left
@@ -166,15 +170,22 @@ class ModelRunner:
         num_tokens = lead + sum(len(c.token_ids) for c in chunks)
         st = self.state
         tokens = None
-        if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS:
+        # prompt logprobs need every position's logits: a shape no graph holds
+        prompt = any(c.logprob_targets for c in chunks)
+        if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS and not prompt:
             tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
         if tokens is None:
             cols = max(len(c.blocks) for c in chunks)
             ints = pack_prefill(chunks, num_tokens, len(chunks), cols, self.block_size,
                                 self.scratch_block, st.inert_row, lead)
             d, _ = self.h2d.put(ints, [])
+            rows = None
+            if prompt:
+                at, targets = pack_rows(chunks, lead)
+                d_rows, _ = self.h2d.put(at + targets, [])
+                rows = (d_rows[:len(at)], d_rows[len(at):])
             return self._run_mixed_step(PrefillMeta.view(d, num_tokens, len(chunks), cols),
-                                        with_logprobs, lead, penalties)
+                                        with_logprobs, lead, penalties, rows)
         ints = pack_prefill(chunks, tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
                             self.scratch_block, st.inert_row, lead)
         key = (tokens, with_logprobs, penalties)
@@ -201,13 +212,15 @@ class ModelRunner:
         return self._run_mixed_step(meta, with_logprobs, min(self.max_rows, tokens), penalties)
 
     def _run_mixed_step(self, meta: PrefillMeta, with_logprobs: bool,
-                        decode_rows: int, penalties: bool = False) -> SampleOut:
+                        decode_rows: int, penalties: bool = False,
+                        prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> SampleOut:
         """Eager: the mixed step with a decode part of decode_rows rows, or the chunks alone
         (a speculative runner)."""
         st = self.state
         rows = decode_rows if self.mixed else 0
         out = mixed_step(self.model, st, self.kv, meta, rows, self.block_size, with_logprobs,
-                         self.draft, penalties)
+                         self.draft, penalties, prompt_rows)
         if self.mixed:  # the decode rows' results, as the decode iteration publishes them
             self.results.publish(st.out_packed[:max(decode_rows, 1)])
         return out
@@ -240,8 +253,11 @@ class ModelRunner:
         event = self.results.slots[launched.slot].event
         if event is not None:
             self.wait_seconds += self._wait(event)
-        return self.results.read(launched.slot, launched.num_decode, launched.num_prefill,
-                                 launched.with_logprobs)
+        res = self.results.read(launched.slot, launched.num_decode, launched.num_prefill,
+                                launched.with_logprobs)
+        if launched.prompt is not None:
+            res.prompt = tuple(t.numpy() for t in launched.prompt)
+        return res
 
     def _wait(self, event: torch.cuda.Event) -> float:
         """Waits for a step's last copy; returns the seconds it waited."""

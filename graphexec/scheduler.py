@@ -223,6 +223,8 @@ class Scheduler:
             # decodes on from
             ids = req.prompt + req.output[:-1]
             keys, hits = self._cached_prefix(ids)
+            if req.params.prompt_logprobs is not None:  # every prompt position is computed
+                hits = []
             # a cached block nobody holds is taken from the free list too
             from_free = sum(1 for b in hits if self.pool.refcount(b) == 0)
             if not self.pool.can_allocate(need - len(hits) + from_free):
@@ -274,7 +276,8 @@ class Scheduler:
         chunks.append(PrefillChunk(
             token_ids=ids[start:start + n], start=start, blocks=req.blocks, row=row,
             step=len(req.output),
-            resume_token=req.output[-1] if last and req.output else None))
+            resume_token=req.output[-1] if last and req.output else None,
+            logprob_targets=_logprob_targets(req, start, n)))
         requests.append(req)
         req.num_computed += n
         # The blocks this chunk fills are cached from now on: any later reader runs after the
@@ -327,6 +330,14 @@ class Scheduler:
             else:
                 still.append((sid, blocks))
         self.deferred = still
+
+
+def _logprob_targets(req: Request, start: int, n: int) -> list[int] | None:
+    """The prompt tokens whose logprobs a chunk of `n` tokens from `start` gives: those after
+    each of its positions, within the prompt. A recompute after the first token has them."""
+    if req.params.prompt_logprobs is None or req.output or start + 1 >= len(req.prompt):
+        return None
+    return req.prompt[start + 1:min(start + n + 1, len(req.prompt))]
 
 
 def _row_penalties(req: Request) -> RowPenalties:
