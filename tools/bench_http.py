@@ -46,7 +46,9 @@ METRICS = {"graphexec_engine_steps_total": "steps", "graphexec_engine_pauses_tot
            "graphexec_engine_evictions_total": "evictions",
            "graphexec_engine_chain_breaks_total": "chain_breaks",
            "graphexec_generation_tokens_total": "tokens",
-           "graphexec_kv_blocks_total": "kv_total", "graphexec_kv_blocks_used": "kv_used"}
+           "graphexec_kv_blocks_total": "kv_total", "graphexec_kv_blocks_used": "kv_used",
+           "graphexec_prefix_query_tokens_total": "prefix_query_tokens",
+           "graphexec_prefix_hit_tokens_total": "prefix_hit_tokens"}
 
 
 # No pool limit and no read timeout: offline opens every stream at once, and a request queued
@@ -293,29 +295,36 @@ def parse_metrics(text: str) -> dict:
 # -- one mode -----------------------------------------------------------------------------------
 
 def run_mode(args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
-             engine: dict | None) -> tuple[list[RunResult], dict, dict]:
+             engine: dict | None, replicas: int = 1,
+             routing: str | None = None) -> tuple[list[RunResult], dict, dict]:
     """The HTTP runs of one scheduling mode. `engine`: the in-process run's engine info (None
-    with --http-only), whose options and sizes an auto-started server gets."""
+    with --http-only), whose options and sizes an auto-started server gets (each of its
+    `replicas` data-parallel engines, routed by `routing`)."""
+    transport = "http" + (f" dp{replicas}" if replicas > 1 else "") + (
+        f" {routing}" if routing else "")
     block_size = int(engine_options(args, mode).get("block_size", DEFAULT_BLOCK_SIZE))
     if args.http != "auto":
         results, series, info = asyncio.run(_runs(args.http, args, mode, cfg, engine,
-                                                  block_size))
+                                                  block_size, transport))
         return results, series, dict(info, url=args.http)
     try:
         options = server_options(args, mode, engine)
         port = free_port()
         # room for every request at once: offline sends them all at t = 0, as in-process
         argv = server_argv(args.model, options, port, max(256, args.num_requests + args.warmup))
+        argv += ["--data-parallel-size", str(replicas)]
+        argv += ["--data-parallel-routing", routing] if routing else []
     except ValueError as e:
         raise SystemExit(str(e)) from e
     name = os.path.basename(os.path.normpath(args.model))
-    log = os.path.join(args.out, f"serve_{name}_server_{mode}.log")
+    log = os.path.join(args.out, f"serve_{name}_server_{mode}_dp{replicas}"
+                                 f"{'_' + routing if routing else ''}.log")
     print(f"starting the server ({mode}): python {' '.join(argv[1:])} (log: {log})",
           flush=True)
     with ServerProcess(argv, port, log) as server:
         server.wait_healthy(args.server_timeout)
         results, series, info = asyncio.run(_runs(server.url, args, mode, cfg, engine,
-                                                  block_size))
+                                                  block_size, transport))
     if server.exit_code != 0:
         print(f"warning: the server exited with status {server.exit_code}; see {log}")
     return results, series, dict(info, url="auto", argv=argv[1:], exit_code=server.exit_code,
@@ -323,7 +332,8 @@ def run_mode(args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
 
 
 async def _runs(url: str, args: argparse.Namespace, mode: str, cfg: WorkloadConfig,
-                engine: dict | None, block_size: int) -> tuple[list[RunResult], dict, dict]:
+                engine: dict | None, block_size: int,
+                transport: str) -> tuple[list[RunResult], dict, dict]:
     async with httpx.AsyncClient(base_url=url, limits=_NO_POOL_LIMIT,
                                  timeout=_NO_READ_TIMEOUT) as client:
         server = await describe(client, url, block_size)
@@ -339,7 +349,7 @@ async def _runs(url: str, args: argparse.Namespace, mode: str, cfg: WorkloadConf
             for wl in build_workloads(cfg, args.kinds, args.rates, vocab,
                                       server.max_model_len):
                 limit = concurrency(args, wl, max_batch)
-                res = await _run_one(client, server, wl, mode, limit, pool)
+                res = await _run_one(client, server, wl, mode, limit, pool, transport)
                 print(json.dumps(row_brief(res)), flush=True)
                 results.append(res)
                 limits[res.label] = limit
@@ -365,7 +375,8 @@ def concurrency(args: argparse.Namespace, workload: Workload, max_batch: int) ->
 
 
 async def _run_one(client: httpx.AsyncClient, server: ServerInfo, workload: Workload,
-                   mode: str, limit: int | None, pool: ClientPool | None) -> RunResult:
+                   mode: str, limit: int | None, pool: ClientPool | None,
+                   transport: str) -> RunResult:
     compiled, before = triton_cache_entries(), await scrape(client)
     if pool is None:
         trace = await drive(client, server.model, workload, limit)
@@ -373,7 +384,7 @@ async def _run_one(client: httpx.AsyncClient, server: ServerInfo, workload: Work
         trace = await asyncio.to_thread(pool.drive, server.url, server.model, workload, limit)
     after = await scrape(client)
     return summarize(workload, mode, trace, before, after, None,
-                     triton_cache_entries() - compiled, transport="http")
+                     triton_cache_entries() - compiled, transport=transport)
 
 
 def model_vocab(model: str) -> int:

@@ -310,6 +310,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="also send the requests through a server: the URL of a running "
                          "`python -m graphexec.serve`, or auto to start one per mode with the "
                          "in-process engine's options (tools/bench_http.py)")
+    ap.add_argument("--data-parallel-size", nargs="+", type=int, default=[1],
+                    help="--http auto: a server per value, with that many engine replicas")
+    ap.add_argument("--data-parallel-routing", nargs="+", default=[None],
+                    choices=["prefix", "load"],
+                    help="--http auto with replicas: a server per routing policy")
     ap.add_argument("--http-only", action="store_true",
                     help="with --http: skip the in-process runs")
     ap.add_argument("--concurrency", type=int, default=None,
@@ -346,6 +351,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.http not in (None, "auto") and len(args.modes) != 1:
         raise ValueError(f"--http {args.http}: a running server has one scheduling mode; "
                          f"give it as the one --modes (got {args.modes})")
+    if (max(args.data_parallel_size) > 1 or args.data_parallel_routing != [None]) and (
+            args.http != "auto"):
+        raise ValueError("--data-parallel-size / --data-parallel-routing start servers of "
+                         "their own: they need --http auto")
     if args.client_procs < 1:
         raise ValueError(f"--client-procs must be >= 1, got {args.client_procs}")
     if args.concurrency is not None and args.concurrency < 1:
@@ -374,10 +383,17 @@ def main(argv: list[str] | None = None) -> dict:
             res, steps, engines[mode] = run_mode(args, mode, cfg)
             results += res
             series.update(steps)
-        if args.http is not None:
-            res, steps, servers[mode] = bench_http.run_mode(args, mode, cfg, engines.get(mode))
-            results += res
-            series.update(steps)
+        if args.http is None:
+            continue
+        for replicas in args.data_parallel_size:
+            for routing in args.data_parallel_routing:
+                res, steps, info = bench_http.run_mode(args, mode, cfg, engines.get(mode),
+                                                       replicas, routing)
+                key = [mode] + ([f"dp{replicas}"] if replicas > 1 else []) + (
+                    [routing] if routing else [])
+                servers[" ".join(key)] = info
+                results += res
+                series.update(steps)
     meta["engines"] = engines
     if servers:
         meta["servers"] = servers

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 # stats_summary() keys that count from the engine's start: a run reports its own increase.
 CUMULATIVE = ("steps", "tokens", "chain_breaks", "idle_drains", "pauses", "evictions",
-              "admitted")
+              "admitted", "prefix_query_tokens", "prefix_hit_tokens")
 
 
 # -- what a run recorded ------------------------------------------------------------------------
@@ -199,6 +199,12 @@ def _quad(p: Percentiles, digits: int = 1) -> str:
     return " / ".join(_fmt(v, digits) for v in (p.p50, p.p90, p.p99, p.max))
 
 
+def _hit_rate(engine: dict) -> str:
+    """Prompt tokens whose KV a cached block held, over prompt tokens admitted."""
+    query = engine.get("prefix_query_tokens")
+    return "-" if not query else f"{engine.get('prefix_hit_tokens', 0) / query:.3f}"
+
+
 def markdown(results: list[RunResult], meta: dict) -> str:
     commit = f"{meta['git_commit']}{' (with uncommitted changes)' if meta['git_dirty'] else ''}"
     lines = [f"Measured {meta['date']} on {meta['device']}, torch {meta['torch']}, model "
@@ -219,14 +225,15 @@ def markdown(results: list[RunResult], meta: dict) -> str:
             f"{_fmt(r.latency_s.p50, 2)} / {_fmt(r.latency_s.p99, 2)} | {busy} | "
             f"{_fmt(r.mean_batch)} | {r.steps} | {r.mean_step_ms:.2f} |")
     lines += ["", "| run | chain breaks | idle drains | pauses | evictions | spec acceptance "
-              "| Triton compiles in run | wrong lengths | incomplete |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| prefix hit rate | Triton compiles in run | wrong lengths | incomplete |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r.engine
         acc = "-" if r.spec_acceptance is None else f"{r.spec_acceptance:.3f}"
         lines.append(f"| {r.label} | {e.get('chain_breaks', '-')} | {e.get('idle_drains', '-')} "
                      f"| {e.get('pauses', '-')} | {e.get('evictions', '-')} | {acc} | "
-                     f"{r.triton_compiles_in_run} | {r.wrong_length} | {r.incomplete} |")
+                     f"{_hit_rate(e)} | {r.triton_compiles_in_run} | {r.wrong_length} | "
+                     f"{r.incomplete} |")
     pairs = http_vs_in_process(results)
     if pairs:
         lines += ["", "HTTP runs: the same requests through `python -m graphexec.serve` from "
