@@ -38,17 +38,18 @@ def quantize_tensor(w: torch.Tensor, method: str,
     return quantize_int4(w, group_size, symmetric=method == "int4")
 
 
-def quantize_weights(weights: ModelWeights, method: str | None) -> ModelWeights:
+def quantize_weights(weights: ModelWeights, method: str | None,
+                     group_size: int = DEFAULT_GROUP_SIZE) -> ModelWeights:
     """The layers' projections quantized one at a time, in place (the dense tensor of one
     projection is freed before the next is made). A weight that is quantized already (a
-    checkpoint's) is kept as stored."""
+    checkpoint's) is kept as stored. group_size: int4's (tools; the option uses 128)."""
     if method is None:
         return weights
     for layer in weights.layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)
             if not isinstance(w, QuantizedWeight):
-                setattr(layer, name, quantize_tensor(w, method))
+                setattr(layer, name, quantize_tensor(w, method, group_size))
     return weights
 
 
