@@ -143,8 +143,9 @@ class Engine:
             raise ValueError(f"{outside[0]} for {request_id!r} holds token id {outside[1]}, "
                              f"outside the vocabulary [0, {vocab})")
         if params.uses_penalties and self.runner.k:
-            raise ValueError(f"request {request_id!r}: penalties, logit_bias and min_p are not "
-                             "supported with speculative decoding yet")
+            raise ValueError(f"{params.penalty_fields[0]} for {request_id!r}: penalties, "
+                             "logit_bias and min_p are not supported with speculative "
+                             "decoding yet")
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         if params.min_tokens and len(stop_ids) > 16:

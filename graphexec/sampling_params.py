@@ -118,8 +118,16 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """Whether the row needs the device's per-row token state (capture/penalties.py):
         a penalty, a logit bias or min_p. Rows without any run the plain sampler."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_p > 0)
+        return bool(self.penalty_fields)
+
+    @property
+    def penalty_fields(self) -> list[str]:
+        """The fields among the penalties, logit_bias and min_p that are not off."""
+        on = dict(presence_penalty=self.presence_penalty != 0,
+                  frequency_penalty=self.frequency_penalty != 0,
+                  repetition_penalty=self.repetition_penalty != 1.0, min_p=self.min_p > 0,
+                  logit_bias=bool(self.logit_bias))
+        return [name for name, used in on.items() if used]
 
     def token_ids_outside(self, vocab: int) -> tuple[str, int] | None:
         """The first (field, token id) that names a token outside [0, vocab), or None."""

@@ -13,7 +13,7 @@ from .params import chat_fields, check_common, sampling_params
 from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
 from .render import (Choice, TokenText, aborted_error, collect, created, new_id,
-                     prompt_tokens_of, sse_body, usage)
+                     prompt_logprobs_json, prompt_tokens_of, sse_body, usage)
 from .state import ServerState
 
 router = APIRouter()
@@ -55,11 +55,16 @@ async def create_chat_completion(
         return Response(status_code=499)
     finally:
         gen.abort()
+    extra = {}
+    if body.prompt_logprobs is not None:  # the extension, as vLLM places it: one prompt
+        extra["prompt_logprobs"] = prompt_logprobs_json(choices[0].prompt_logprobs,
+                                                        TokenText(info.tokenizer))
     return JSONResponse({
         "id": gen.request_id, "object": "chat.completion", "created": created(),
         "model": state.config.served_model_name,
         "choices": [_choice(i, c, fmt, body.return_token_ids) for i, c in enumerate(choices)],
-        "usage": usage(prompt_tokens_of(gen, body.n), sum(len(c.token_ids) for c in choices))})
+        "usage": usage(prompt_tokens_of(gen, body.n), sum(len(c.token_ids) for c in choices)),
+        **extra})
 
 
 def _choice(index: int, c: Choice, fmt: "_Logprobs | None", return_ids: bool) -> dict:

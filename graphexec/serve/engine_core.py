@@ -72,6 +72,7 @@ class _Live:
     index: int
     wants_logprobs: bool
     num_tokens: int = 0
+    wants_prompt_logprobs: bool = False  # until its first delta carried them
 
 
 class EngineCore:
@@ -148,7 +149,9 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 -- one bad request must not end the loop
             log.exception("add_request(%s) failed", cmd.request_id)
             return Rejected(cmd.index, f"the engine could not take the request: {e}", 500)
-        self._live[cmd.request_id] = _Live(cmd.index, cmd.params.logprobs is not None)
+        self._live[cmd.request_id] = _Live(cmd.index, cmd.params.logprobs is not None,
+                                           wants_prompt_logprobs=cmd.params.prompt_logprobs
+                                           is not None)
         return Admitted(cmd.index)
 
     def _abort(self, request_id: str) -> None:
@@ -165,10 +168,14 @@ class EngineCore:
             new = out.new_token_ids
             lv.num_tokens += len(new)
             lps = out.logprobs[-len(new):] if lv.wants_logprobs and new else None
+            prompt_lps = None
+            if lv.wants_prompt_logprobs and out.prompt_logprobs is not None:
+                prompt_lps, lv.wants_prompt_logprobs = out.prompt_logprobs, False
             if out.finished:
                 del self._live[out.request_id]
             events.append((out.request_id, Delta(lv.index, new, out.new_text or "", lps,
-                                                 out.finish_reason, lv.num_tokens)))
+                                                 out.finish_reason, lv.num_tokens,
+                                                 prompt_lps)))
 
     def _emit(self, events: list[tuple[str, Event]], always: bool = False) -> None:
         # One message per iteration, whatever the batch size. An idle wake-up that produced

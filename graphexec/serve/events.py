@@ -42,13 +42,16 @@ class Delta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     num_tokens: int  # output tokens so far, these included
+    # SamplingParams.prompt_logprobs: on the choice's first delta only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def then(self, later: "Delta") -> "Delta":
         """This delta and the next one of the same choice, as one."""
         lps = None if self.logprobs is None and later.logprobs is None else (
             (self.logprobs or []) + (later.logprobs or []))
         return Delta(self.index, self.token_ids + later.token_ids, self.text + later.text, lps,
-                     later.finish_reason, later.num_tokens)
+                     later.finish_reason, later.num_tokens,
+                     self.prompt_logprobs or later.prompt_logprobs)
 
 
 Event = Admitted | Rejected | Delta

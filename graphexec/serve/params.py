@@ -47,14 +47,7 @@ def check_common(req: SamplingFields) -> None:
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"n must be an integer in [1, {MAX_N}], got {req.n}", "n")
     check_unicode(req.stop, "stop", "stop")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise _unsupported(name, "a non-zero penalty")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "a logit bias")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _unsupported("echo", "echoing the prompt")
         if req.suffix:
             raise _unsupported("suffix", "a suffix")
         if req.best_of not in (None, req.n):
@@ -78,6 +71,14 @@ def _logprobs(req: SamplingFields) -> int | None:
     if isinstance(req, ChatCompletionRequest):
         return (req.top_logprobs or 0) if req.logprobs else None
     return req.logprobs
+
+
+def _prompt_logprobs(req: SamplingFields) -> int | None:
+    """echo with logprobs (completions) shows the prompt's logprobs too, with as many
+    alternatives as the output's."""
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return max(req.logprobs, req.prompt_logprobs or 0)
+    return req.prompt_logprobs
 
 
 def sampling_params(req: SamplingFields, names: FieldNames, prompt_len: int, info: ModelInfo,
@@ -110,7 +111,12 @@ def sampling_params(req: SamplingFields, names: FieldNames, prompt_len: int, inf
         top_k=-1 if req.top_k is None else req.top_k, seed=seed,
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
         # stop="" goes through so that it is refused as [""] is: it would match everywhere
-        logprobs=_logprobs(req), stop=[] if req.stop is None else req.stop)
+        logprobs=_logprobs(req), stop=[] if req.stop is None else req.stop,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0, logit_bias=req.logit_bias or None,
+        prompt_logprobs=_prompt_logprobs(req))
     try:
         return SamplingParams(**options)
     except ValueError as e:

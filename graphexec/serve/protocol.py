@@ -22,8 +22,9 @@ class StreamOptions(_Body):
 
 
 class SamplingFields(_Body):
-    """Fields shared by both endpoints. top_k, min_tokens, ignore_eos, stop_token_ids and
-    return_token_ids are extensions (the openai client sends them through `extra_body`)."""
+    """Fields shared by both endpoints. top_k, min_tokens, ignore_eos, stop_token_ids,
+    return_token_ids, repetition_penalty, min_p and prompt_logprobs are extensions (the openai
+    client sends them through `extra_body`)."""
 
     model: str
     n: int = 1
@@ -36,7 +37,12 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # token id (a JSON object's key is a string) -> bias; the ids are checked as SamplingParams
+    # takes them, so "x" is refused by name rather than by pydantic
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
     min_tokens: int = 0
     ignore_eos: bool = False

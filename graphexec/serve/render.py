@@ -29,8 +29,11 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, d: Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text.append(d.text)
         self.token_ids.extend(d.token_ids)
         if d.logprobs:
@@ -75,6 +78,23 @@ class TokenText:
                 s = self._tok.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = s
         return s
+
+
+def prompt_logprobs_json(lps: list[TokenLogprob | None] | None,
+                         token_text: TokenText) -> list[dict | None] | None:
+    """The prompt_logprobs extension, as vLLM gives it: per prompt token None (the first) or
+    {token id: {"logprob", "decoded_token"}} for the token itself and the top n."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {lp.token_id: lp.logprob, **lp.top}
+        out.append({str(t): {"logprob": v, "decoded_token": token_text(t)}
+                    for t, v in entries.items()})
+    return out
 
 
 async def sse_body(gen: Generation, chunks: AsyncIterator[dict],

@@ -1,0 +1,119 @@
+"""The server's sampling controls: presence, frequency and repetition penalties, logit_bias and
+min_p reach the engine (the same tokens as LLM.generate with the same SamplingParams), echo
+with logprobs and prompt_logprobs on completions, and every bad value a 400 naming its field."""
+from __future__ import annotations
+
+import pytest
+
+from test_server import KEY, MODEL, Server, _ids, httpx, openai
+
+PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(MODEL, "--api-key", KEY, "--max-batch", "4", "--max-model-len", "256",
+                 "--num-kv-blocks", "64")
+    yield srv
+    assert srv.stop() == 0, srv.output()
+    assert "Traceback" not in srv.output(), srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=120,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_penalties_reach_the_engine(server):
+    from graphexec import LLM, SamplingParams
+
+    extra = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.1)
+    body = dict(prompt=PROMPT, max_tokens=12, temperature=0, return_token_ids=True, **extra)
+    got = _post(server, "/v1/completions", body)["choices"][0]["token_ids"]
+    plain = _post(server, "/v1/completions", {**body, **dict(
+        presence_penalty=0, frequency_penalty=0, repetition_penalty=1, min_p=0)})
+    llm = LLM(MODEL, device="cpu", max_model_len=256, num_kv_blocks=64)
+    want = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, **extra))[0]
+    assert got == want.token_ids
+    assert got != plain["choices"][0]["token_ids"]
+
+
+def test_logit_bias_forces_a_token(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == [42] * 5
+
+
+def test_echo_with_logprobs(server, client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    echo=True, logprobs=2)
+    c = out.choices[0]
+    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT)
+    lp = c.logprobs
+    n_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) <= 2 and t for t in lp.top_logprobs[1:]), lp.top_logprobs
+    assert lp.text_offset == sorted(lp.text_offset)
+    # streamed: the prompt comes first, once
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                            temperature=0, echo=True, stream=True))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == c.text
+    # echo without logprobs asks for no prompt logprobs
+    plain = _post(server, "/v1/completions", dict(prompt=[PROMPT, "Hi"], max_tokens=2,
+                                                  temperature=0, echo=True))
+    assert [ch["text"][:len(p)] for ch, p in zip(plain["choices"], [PROMPT, "Hi"])] == [
+        PROMPT, "Hi"]
+
+
+def test_prompt_logprobs_extension(server):
+    from graphexec import LLM, SamplingParams
+
+    got = _post(server, "/v1/completions", dict(prompt=PROMPT, max_tokens=1, temperature=0,
+                                                prompt_logprobs=1))["choices"][0]
+    llm = LLM(MODEL, device="cpu", max_model_len=256, num_kv_blocks=64)
+    want = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    lps = got["prompt_logprobs"]
+    assert len(lps) == len(want.prompt_token_ids) and lps[0] is None
+    for mine, ref in zip(lps[1:], want.prompt_logprobs[1:]):
+        assert mine[str(ref.token_id)]["logprob"] == pytest.approx(ref.logprob, abs=1e-4)
+        assert len(mine) <= 2
+    chat = _post(server, "/v1/chat/completions", dict(
+        messages=[{"role": "user", "content": "Hi"}], max_tokens=1, prompt_logprobs=0))
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+
+
+BAD = {
+    "presence_penalty": {"presence_penalty": 2.5},
+    "frequency_penalty": {"frequency_penalty": -3},
+    "logit_bias": {"logit_bias": {"x": 1}},
+    "logit_bias value": {"logit_bias": {"5": 500}},
+    "logit_bias entries": {"logit_bias": {str(i): 1 for i in range(301)}},
+    "logit_bias id outside the vocabulary": {"logit_bias": {str(10**8): 1}},
+    "repetition_penalty": {"extra_body": {"repetition_penalty": 0}},
+    "min_p": {"extra_body": {"min_p": 1.5}},
+    "prompt_logprobs": {"extra_body": {"prompt_logprobs": 21}},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_values_are_400_naming_the_field(client, case):
+    param = case.split()[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=_ids(4), max_tokens=2, **BAD[case])
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert param in err["message"] and "cmpl-" not in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, **BAD[case])
+    assert e.value.body["param"] == param, e.value.body
