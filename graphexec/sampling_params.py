@@ -90,6 +90,8 @@ class SamplingParams:
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self._check_penalties()
+        # read for every row of every step (the scheduler's variant): computed once
+        self._uses_penalties = bool(self.penalty_fields)
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -118,7 +120,7 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """Whether the row needs the device's per-row token state (capture/penalties.py):
         a penalty, a logit bias or min_p. Rows without any run the plain sampler."""
-        return bool(self.penalty_fields)
+        return self._uses_penalties
 
     @property
     def penalty_fields(self) -> list[str]:
