@@ -6,18 +6,31 @@ from collections.abc import Sequence
 
 from .text.chat import encode_chat, validate_conversation
 from .engine import Engine
+from .data_parallel import ReplicaPool
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **options):
-        self.engine = Engine(model, **options)
+    def __init__(self, model: str, data_parallel_size: int = 1, **options):
+        """data_parallel_size > 1: that many engines, each in a process of its own on GPUs of
+        its own (graphexec/data_parallel.py), sharing out every batch; self.engine is None."""
         self._counter = 0
+        self._pool = None
+        if data_parallel_size == 1:
+            self.engine = Engine(model, **options)
+            self._tokenizer = self.engine.tokenizer
+        else:
+            self.engine = None
+            self._pool = ReplicaPool(model, options, data_parallel_size)
+            self._tokenizer = self._pool.tokenizer
 
     def close(self) -> None:
         """Frees the engine's device memory now (see Engine.close)."""
-        self.engine.close()
+        if self._pool is not None:
+            self._pool.close()
+        else:
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -37,6 +50,12 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        if self._pool is not None:
+            outputs = self._pool.generate(list(prompts), params)
+            for out in outputs:  # each replica counts its own; ids stay unique here
+                out.request_id = f"gen-{self._counter}"
+                self._counter += 1
+            return outputs
         engine = self.engine
         ids = []
         try:
@@ -75,10 +94,9 @@ class LLM:
              add_generation_prompt: bool = True, **template_vars) -> list[RequestOutput]:
         """Generates the assistant's reply to one conversation (a list of {"role", "content"}
         dicts) or to each of a list of conversations; outputs in the conversations' order."""
-        tok = self.engine.tokenizer
+        tok = self._tokenizer
         if tok is None:
-            raise ValueError(f"chat needs a tokenizer; model={self.engine.config.model!r} "
-                             "has none")
+            raise ValueError("chat needs a tokenizer; this model has none")
         if (isinstance(messages, Sequence) and not isinstance(messages, (str, bytes))
                 and messages and isinstance(messages[0], dict)):
             messages = [messages]  # one conversation

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import pytest
 
@@ -82,6 +81,26 @@ def test_routing_keys_are_prefix_cachings_keys():
     assert list(router._held[0]) == chain_hashes(p, BLOCK, 3)
 
 
+def test_llm_with_two_replicas_returns_what_one_engine_does_in_order():
+    from graphexec import LLM, SamplingParams
+
+    prompts = [_prompt(s, 1 + s % 3) for s in range(7)]
+    params = [SamplingParams(max_tokens=6 + s, temperature=0, ignore_eos=True)
+              for s in range(7)]
+    with LLM("tiny", device="cpu") as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    with LLM("tiny", device="cpu", data_parallel_size=2) as two:
+        outs = two.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert [len(o.token_ids) for o in outs] == [6 + s for s in range(7)]
+        assert len({o.request_id for o in outs}) == 7
+        with pytest.raises(ValueError, match="prompt"):
+            two.generate([[1, 2], []], SamplingParams(max_tokens=2))
+        assert [o.token_ids for o in two.generate(prompts[:3], params[:3])] == want[:3]
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM("tiny", device="cpu", data_parallel_size=0)
+
+
 # -- real servers ----------------------------------------------------------------------------
 
 httpx = pytest.importorskip("httpx")
@@ -153,9 +172,10 @@ def test_a_dead_replica_fails_its_own_requests_and_the_rest_go_on():
         engines = _engine_pids(srv.proc.pid)
         assert len(engines) == 2, engines
         ends: list[str] = []
+        begun = [threading.Event() for _ in range(4)]
 
         def stream(i: int) -> None:
-            body = {"model": "tiny", "prompt": _prompt(i, 2), "max_tokens": 1500,
+            body = {"model": "tiny", "prompt": _prompt(i, 2), "max_tokens": 600,
                     "stream": True, "ignore_eos": True}
             last = []
             with httpx.stream("POST", srv.url + "/v1/completions", json=body,
@@ -163,13 +183,15 @@ def test_a_dead_replica_fails_its_own_requests_and_the_rest_go_on():
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         last.append(line)
+                        begun[i].set()
             ends.append("error" if any('"error"' in ln for ln in last[-2:]) else
                         "done" if last and last[-1] == "data: [DONE]" else "cut")
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        for b in begun:  # every stream under way, on both replicas (load routing)
+            assert b.wait(30)
         os.kill(engines[0], signal.SIGKILL)
         for t in threads:
             t.join(90)

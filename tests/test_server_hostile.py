@@ -10,7 +10,6 @@ import json
 import re
 import signal
 import socket
-import threading
 import time
 
 import pytest

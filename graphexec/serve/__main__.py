@@ -12,6 +12,7 @@ import sys
 import uvicorn
 
 from ..config import EngineConfig
+from ..data_parallel import replica_options
 from ..spec import SpeculativeConfig
 from .config import ServeConfig
 from .engine_loop import Phase
@@ -124,26 +125,6 @@ def engine_options(args: argparse.Namespace, ap_error) -> dict:
     return opts
 
 
-def replica_options(model: str, opts: dict, replicas: int, ap_error) -> list[dict]:
-    """Each data-parallel replica's engine options: on CUDA, replica r takes the
-    tensor-parallel group of GPUs from (first + r * tp) on; on the CPU they share the host."""
-    if replicas < 1:
-        ap_error(f"--data-parallel-size must be at least 1, got {replicas}")
-    config = EngineConfig(model=model, **opts)
-    if replicas == 1 or config.device.type != "cuda":
-        return [dict(opts) for _ in range(replicas)]
-    first, tp = config.device.index or 0, config.tensor_parallel_size
-    out = []
-    for r in range(replicas):
-        device = f"cuda:{first + r * tp}"
-        try:
-            EngineConfig(model=model, **{**opts, "device": device})
-        except ValueError as e:
-            ap_error(f"--data-parallel-size {replicas}: replica {r}: {e}")
-        out.append({**opts, "device": device})
-    return out
-
-
 class _Server(uvicorn.Server):
     """Uvicorn's server, telling the app the moment a shutdown signal arrives: from then on
     /health answers 503 and new requests are refused while the open ones finish."""
@@ -173,7 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         ap_error(f"--timeout-keep-alive must be positive, got {args.timeout_keep_alive}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    per_replica = replica_options(args.model, opts, args.data_parallel_size, ap_error)
+    try:
+        per_replica = replica_options(args.model, opts, args.data_parallel_size)
+    except ValueError as e:
+        ap_error(str(e))
     routing = args.data_parallel_routing or (
         "prefix" if opts.get("enable_prefix_caching") else "load")
     config = ServeConfig(model=args.model, served_model_name=args.served_model_name or args.model,
