@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
 from .linear_triton import _split_sum_kernel
 from .quant import QuantizedWeight, dequantize
 from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (tests)
@@ -40,18 +41,73 @@ def _new(shape, dtype, device) -> torch.Tensor:
 
 
 @triton.jit
-def _partial(x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, summed in fp32."""
+def _x_tile(x_rows, k0, k_hi, m_ok, BLOCK_K: tl.constexpr):
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
+    """The fp8 weight tile [BLOCK_N, BLOCK_K] as stored."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
+    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load, each spread to its eight
+    values (value j at bits 4j): k = word * 8 + j, the order of the reshape."""
+    wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
+                           BLOCK_K // 8)
+    words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
+                    other=0)
+    u = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    u = tl.reshape(u, [BLOCK_N, BLOCK_K])
+    g = k0 // GROUP
+    scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
+    if HAS_ZERO:
+        offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
+    else:
+        offset = tl.full([BLOCK_N], 8, tl.int32)
+    return (u - offset[:, None]).to(tl.float32), scale
+
+
+@triton.jit
+def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
+                SCALED: tl.constexpr):
+    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
+    output column when SCALED. Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums;
+    one row (BLOCK_M 1) adds the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
-            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        return tl.dot(x, tl.trans(w.to(x.dtype)))
-    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            p = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if SCALED:
+            p = p * scale[None, :]
+    else:
+        xs = x.to(tl.float32)
+        if SCALED:
+            xs = xs * scale[:, None]
+        p = w.to(tl.float32) * xs
+    return acc + p
+
+
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
 
 
 @triton.jit
 def _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.constexpr):
-    """The output tile (plus the bias), or under split K the fp32 partial."""
+    """The output tile [BLOCK_M, BLOCK_N] (plus the bias), or under split K the fp32
+    partial."""
     flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if tl.num_programs(1) == 1:
@@ -63,32 +119,42 @@ def _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.c
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     rm = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rm, rn, rm < M, rn < N
+    k_lo = tl.program_id(1) * k_per_split
+    return rm, rn, rm < M, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K)
 
 
-# M is the batch: never specialise on it, or every new batch size would compile again.
+# M is the batch: never specialise on it, or every new batch size would compile again. Under
+# programmatic dependent launch (PDL, kernels/pdl.py) a program lets the next kernel launch,
+# fetches its first weight tile (weights are never written during decode), and only then waits
+# for the kernel before it, whose output x is.
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, k_per_split, sx,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+                  BLOCK_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
+                  STAGES: tl.constexpr, PDL: tl.constexpr):
     """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale."""
-    rm, rn, m_ok, n_ok = _tile_ids(M, N, BLOCK_M, BLOCK_N)
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_hi
-        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += _partial(x, w, DOT, UPCAST)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
+    k_start = k_lo
+    if PDL:
+        pdl.gdc_launch_dependents()
+        w_first = _w8_tile(w_rows, k_lo, k_hi, n_ok, BLOCK_K)
+        pdl.gdc_wait()
+        acc = _accumulate(acc, _x_tile(x_rows, k_lo, k_hi, m_ok, BLOCK_K), w_first, rn, DOT,
+                          UPCAST, False)
+        k_start = k_lo + BLOCK_K
+    for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+        acc = _accumulate(acc, _x_tile(x_rows, k0, k_hi, m_ok, BLOCK_K),
+                          _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K), rn, DOT, UPCAST, False)
+    if BLOCK_M == 1:  # the row's products, reduced once
+        acc = tl.sum(acc, axis=1)[None, :]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     _store(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
@@ -97,39 +163,34 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, k_per_sp
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, KW, k_per_split,
                   sx, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT: tl.constexpr, UPCAST: tl.constexpr):
+                  DOT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                  PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
     and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale.
     BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
     the words a row, passed so that Triton sees its alignment (vector loads)."""
-    rm, rn, m_ok, n_ok = _tile_ids(M, N, BLOCK_M, BLOCK_N)
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    groups = K // GROUP
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
-    g_rows = rn.to(tl.int64) * groups
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_hi
-        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # the tile's words [BLOCK_N, BLOCK_K / 8] in one vector load, each spread to its eight
-        # values (value j at bits 4j): k = word * 8 + j, the order of the reshape
-        wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8),
-                                              BLOCK_K // 8), BLOCK_K // 8)
-        words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
-                        other=0)
-        u = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        u = tl.reshape(u, [BLOCK_N, BLOCK_K])
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + g_rows + g, mask=n_ok, other=0.0)
-        if HAS_ZERO:
-            offset = 8 + tl.load(z_ptr + g_rows + g, mask=n_ok, other=0).to(tl.int32)
-        else:
-            offset = tl.full([BLOCK_N], 8, tl.int32)
-        codes = (u - offset[:, None]).to(tl.float32)
-        acc += _partial(x, codes, DOT, UPCAST) * scale[None, :]
+    s_rows = s_ptr + rn.to(tl.int64) * (K // GROUP)
+    z_rows = z_ptr + rn.to(tl.int64) * (K // GROUP)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
+    k_start = k_lo
+    if PDL:
+        pdl.gdc_launch_dependents()
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
+                                BLOCK_N, BLOCK_K)
+        pdl.gdc_wait()
+        acc = _accumulate(acc, _x_tile(x_rows, k_lo, k_hi, m_ok, BLOCK_K), codes, scale, DOT,
+                          UPCAST, True)
+        k_start = k_lo + BLOCK_K
+    for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+                                BLOCK_N, BLOCK_K)
+        acc = _accumulate(acc, _x_tile(x_rows, k0, k_hi, m_ok, BLOCK_K), codes, scale, DOT,
+                          UPCAST, True)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc, axis=1)[None, :]
     _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
@@ -178,9 +239,11 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     out = _new((m, n), x.dtype, x.device)
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m), split)
+    dependent = pdl.enabled(x)
     tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=bk,
-                 DOT=config.block_m > 1, UPCAST=_INTERPRET, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
+                 DOT=config.block_m > 1, UPCAST=_INTERPRET, STAGES=config.num_stages,
+                 PDL=dependent, num_warps=config.num_warps, num_stages=config.num_stages,
+                 launch_pdl=dependent)
     b = bias if bias is not None else out
     if weight.format == "fp8":
         _w8a16_kernel[grid](x, weight.data, weight.scale, b, out, ws, m, n, k, k_per_split,
@@ -195,8 +258,8 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         block = min(t.split_sum_block, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](
             ws, out, out, out, out, out, out, m, n, 0, 0, SPLIT=split, BLOCK=block,
-            RES_OUT=False, NORM_OUT=False, PDL=False, PUSH=False, RANK=0, WORLD=1,
-            num_warps=4)
+            RES_OUT=False, NORM_OUT=False, PDL=dependent, PUSH=False, RANK=0, WORLD=1,
+            num_warps=4, launch_pdl=dependent)
         if bias is not None:
             out += bias
     return out

@@ -525,3 +525,25 @@ def test_kv_kernels_compile_for_an_fp8_cache(compiled):
     for name, kernel in compiled:
         if name in ("_rope_write_kv_kernel", "_write_kv_kernel"):
             assert "cvt.rn.satfinite.e4m3x2" in kernel.asm["ptx"], name
+
+
+def test_quantized_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
+    """As the dense projections: W8A16 and W4A16 launched as programmatic dependents fetch
+    their first weight tile (and its scales) before griddepcontrol.wait, store nothing before
+    it, and signal their own dependents."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels import pdl
+    from graphexec.kernels.quant import quantize_fp8, quantize_int4
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows: x.shape[0] <= max_rows)
+    h = 2048
+    for m in (1, 16):
+        for w in (quantize_fp8(torch.randn(h, h)), quantize_int4(torch.randn(h, h), 128, False)):
+            lq.linear_quant(_bf16(m, h), w)
+    kernels = [k for name, k in compiled if name in ("_w8a16_kernel", "_w4a16_kernel")]
+    assert len(kernels) == 4
+    for kernel in kernels:
+        assert kernel.metadata.launch_pdl
+        before = _before_wait(kernel.asm["ptx"])
+        assert re.search(r"ld\.global|cp\.async", before), "the first weight tile"
