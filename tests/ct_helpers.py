@@ -24,10 +24,11 @@ def _observe(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return w.min().reshape(1), w.max().reshape(1)
 
 
-def write_ct_checkpoint(path: str, scheme: str, seed: int = 0, group_size: int | None = None
+def write_ct_checkpoint(path: str, scheme: str, seed: int = 0, group_size: int | None = None,
+                        ignore: tuple[str, ...] = ("lm_head",)
                         ) -> tuple[object, dict[str, torch.Tensor]]:
     """(the dense HF model before quantization, module name -> the weight the library
-    decompresses the saved checkpoint's module to)."""
+    decompresses the saved checkpoint's module to). ignore: the modules left dense."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig,
                                                   apply_quantization_config,
@@ -43,7 +44,7 @@ def write_ct_checkpoint(path: str, scheme: str, seed: int = 0, group_size: int |
     if group_size is not None:
         sch.weights.group_size = group_size
     apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": sch},
-                                                     ignore=["lm_head"]), show_progress=False)
+                                                     ignore=list(ignore)), show_progress=False)
     with torch.no_grad():
         for _, m in hf.named_modules():
             s = getattr(m, "quantization_scheme", None)

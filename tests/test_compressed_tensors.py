@@ -124,3 +124,27 @@ def test_a_group_across_two_ranks_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="split a group"):
         load_model(resolve_model(path), torch.device("cpu"), torch.float32,
                    shard=Shard(rank=0, size=2))
+
+
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16"])
+def test_a_quantized_lm_head_runs_as_stored(tmp_path, scheme):
+    """A checkpoint that quantized its LM head too (no "ignore"): the head is a
+    QuantizedWeight, and greedy output equals transformers on the library's weights."""
+    path = str(tmp_path)
+    dense, lib = write_ct_checkpoint(path, scheme, ignore=())
+    assert "lm_head" in lib
+    _, weights = load_model(resolve_model(path), torch.device("cpu"), torch.float32)
+    assert isinstance(weights.lm_head, QuantizedWeight)
+    hf = copy.deepcopy(dense)
+    with torch.no_grad():
+        for name, m in hf.named_modules():
+            if name in lib:
+                m.weight.copy_(lib[name])
+    prompt = [5, 17, 99, 3, 250, 41, 7]
+    with LLM(path, device="cpu", dtype="float32", num_kv_blocks=16, block_size=4) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                    ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, len(prompt):].tolist()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels import Normed, Pushed
+from ..kernels.quant import QuantizedWeight
 from .config import ModelConfig
 
 
@@ -78,6 +79,8 @@ class Shard:
         if dim is None or not self.sharded:
             return t
         start, stop = self.bounds(t.shape[dim])
+        if isinstance(t, QuantizedWeight):  # a quantized LM head: its scales go with its rows
+            return t.rows(start, stop) if dim == 0 else t.cols(start, stop)
         return t.narrow(dim, start, stop - start).clone()
 
     def push_target(self, slot: int):
