@@ -116,3 +116,19 @@ def test_server_flags_reach_the_engine_options():
     args = parse_args(["--model", "tiny", "--quantization", "int4", "--kv-cache-dtype", "fp8"])
     opts = engine_options(args, pytest.fail)
     assert opts["quantization"] == "int4" and opts["kv_cache_dtype"] == "fp8"
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_self_draft_over_quantized_layers_keeps_greedy_output(quantization):
+    """The draft runs the target's first layers, quantized; rejection keeps the target's
+    greedy tokens (fp32 on the CPU: the verify computes what plain decoding computes)."""
+    from graphexec import SpeculativeConfig
+
+    opts = dict(device="cpu", max_batch=4, num_kv_blocks=64, quantization=quantization)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with LLM("tiny", **opts) as llm:
+        plain = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM("tiny", speculative=SpeculativeConfig("self:1", 3), **opts) as llm:
+        outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.num_drafted_tokens for o in outs) > 0
