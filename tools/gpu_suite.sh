@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device run: install, GPU tests, step profiles, benchmarks. Logs under $OUT (or ./out).
-# SUITE picks the parts: any of tests profile decode spec kernels tune variants tp (default:
-# tests profile). tp needs two GPUs: the two-GPU tests, llama-8b at size 1 and 2, the all-reduce
+# SUITE picks the parts: any of tests profile decode spec kernels tune variants tp quant
+# (default: tests profile). quant: the quantized-weight and fp8-KV tests, then llama-8b decode
+# in bf16, fp8 and int4 in one call (the goals), and with the fp8 KV cache. tp needs two GPUs: the two-GPU tests, llama-8b at size 1 and 2, the all-reduce
 # profile and llama-70b at size 2.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -45,6 +46,14 @@ fi
 if has kernels; then
   timeout 120 python3 tools/bench_kernels.py --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/bench_kernels.log" | tail -30
+fi
+if has quant; then
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_quant.py \
+    tests/test_kernels_quant_linear.py tests/test_kernels_quant_ops.py tests/test_kernels_kv_fp8.py \
+    -rfE > "$OUT/test_quant.log" 2>&1; tail -5 "$OUT/test_quant.log"
+  timeout ${QUANT_TIMEOUT:-400} python3 tools/bench.py decode --models llama-8b --batches 1 16 64 \
+    --shapes 128+128 --modes async+graphs --hf-kinds --quantization none fp8 int4 \
+    --kv-cache-dtype auto fp8 --out "$OUT" 2>&1 | tee "$OUT/quant.log" | grep '^|'
 fi
 if has tp; then
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tensor_parallel.py \
