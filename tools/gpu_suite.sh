@@ -2,8 +2,9 @@
 # The device run: install, GPU tests, step profiles, benchmarks. Logs under $OUT (or ./out).
 # SUITE picks the parts: any of tests profile decode spec kernels tune variants tp quant
 # (default: tests profile). quant: the quantized-weight and fp8-KV tests, then llama-8b decode
-# in bf16, fp8 and int4 in one call (the goals), and with the fp8 KV cache. tp needs two GPUs: the two-GPU tests, llama-8b at size 1 and 2, the all-reduce
-# profile and llama-70b at size 2.
+# in bf16, fp8 and int4 in one call (the goals), and with the fp8 KV cache. tp needs
+# two GPUs: the two-GPU tests, llama-8b at size 1 and 2, the all-reduce profile and llama-70b
+# at size 2.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 SUITE=${SUITE:-"tests profile"}
