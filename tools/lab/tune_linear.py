@@ -80,6 +80,20 @@ def time_graph(fn, copies: int, reps: int = 10) -> float:
     return start.elapsed_time(end) / 1e3 / reps / copies
 
 
+def time_configs(fn, configs, copies: int) -> list[tuple[float, object]]:
+    """(microseconds per call of fn(config, i), config) for each config that launches,
+    fastest first (one that does not, out of resources and the like, is skipped)."""
+    timed = []
+    for cfg in configs:
+        try:
+            t = time_graph(lambda i: fn(cfg, i), copies)
+        except Exception as e:
+            print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+            continue
+        timed.append((t * 1e6, cfg))
+    return sorted(timed, key=lambda p: p[0])
+
+
 def copy_bandwidth() -> float:
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -128,15 +142,8 @@ def main() -> None:
                 row = dict(model=model, tp=args.tp, proj=name, m=m, n=n, k=k,
                            floor_us=floor * 1e6)
                 row["cublas_us"] = time_graph(lambda i: F.linear(x, ws[i]), copies) * 1e6
-                timed = []
-                for cfg in candidates(m):
-                    try:
-                        t = time_graph(lambda i: lt.linear(x, ws[i], config=cfg), copies)
-                    except Exception as e:  # out of resources etc.: not a candidate
-                        print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
-                        continue
-                    timed.append((t * 1e6, cfg))
-                timed.sort(key=lambda p: p[0])
+                timed = time_configs(lambda cfg, i: lt.linear(x, ws[i], config=cfg),
+                                     candidates(m), copies)
                 row["best"] = [dict(us=us, **cfg.__dict__) for us, cfg in timed[:args.top]]
                 shipped = lt.pick_config(m, n, k)
                 row["shipped_us"] = time_graph(lambda i: lt.linear(x, ws[i]), copies) * 1e6

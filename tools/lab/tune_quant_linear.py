@@ -1,0 +1,109 @@
+"""Measure the quantized projections on a GPU: every candidate tile of
+kernels/linear_quant_triton.py (W8A16, W4A16) against the dense bf16 projection (cuBLAS) and
+the floor of the bytes each format reads, per model shape and batch, inside a CUDA graph over
+enough weight copies that nothing is served from L2 (tools/lab/tune_linear.py's harness).
+
+    python tools/lab/tune_quant_linear.py --models llama-8b --batches 1 16 64 --out out/
+
+Prints, per (format, projection, M), the floor, cuBLAS on the bf16 weight, the shipped
+config and the best candidates, and above QuantLinearTuning.max_rows the dense fallback
+(dequantize + cuBLAS); writes tune_quant_linear.json. QuantLinearTuning
+(kernels/tuning.py) is to be set from these runs.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from graphexec.kernels import linear_quant_triton as lq  # noqa: E402
+from graphexec.kernels.quant import dequantize, quantize_fp8, quantize_int4  # noqa: E402
+from graphexec.kernels.tuning import LinearConfig  # noqa: E402
+from tune_linear import (L2_DEFEAT_BYTES, copy_bandwidth, projections, time_configs,  # noqa: E402
+                         time_graph)
+
+FORMATS = {"fp8": quantize_fp8, "int4": lambda w: quantize_int4(w, 128),
+           "int4_asym": lambda w: quantize_int4(w, 128, symmetric=False)}
+
+
+def candidates(m: int, group: int | None) -> list[LinearConfig]:
+    """Tiles to try; an int4 tile's block_k at most its group."""
+    out = []
+    block_ms = [1] if m == 1 else ([16] if m <= 16 else [16, 64])
+    for bm, bn, bk, split, stages in itertools.product(block_ms, [8, 16, 32, 64],
+                                                       [64, 128, 256, 512], [1, 2, 4],
+                                                       [3, 4]):
+        if ((group and bk > group) or (bm == 64 and bk > 128) or (bm == 1 and bn > 32)
+                or (bm > 1 and bn < 16)):
+            continue
+        out.append(LinearConfig(bm, bn, bk, split, num_stages=stages))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llama-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--only", nargs="+", default=None, metavar="PROJ",
+                    help="just these projections (qkv o gate_up down)")
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
+    results = []
+    os.makedirs(args.out, exist_ok=True)
+
+    def save() -> None:  # after every row: a run cut short keeps what it has
+        with open(os.path.join(args.out, "tune_quant_linear.json"), "w") as f:
+            json.dump(dict(copy_bandwidth=bw, device=torch.cuda.get_device_name(),
+                           results=results), f, indent=1)
+    for model, fmt in itertools.product(args.models, args.formats):
+        for name, (n, k) in projections(model).items():
+            if name == "lm_head" or (args.only and name not in args.only):
+                continue  # the LM head stays dense
+            dense_bytes = n * k * 2
+            w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+            q0 = FORMATS[fmt](w0)
+            copies = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / q0.nbytes)))
+            qs = [q0] + [FORMATS[fmt](torch.randn_like(w0) * k ** -0.5)
+                         for _ in range(copies - 1)]
+            dense = [dequantize(q) for q in qs[:max(1, math.ceil(L2_DEFEAT_BYTES
+                                                                / dense_bytes))]]
+            for m in args.batches:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                floor = (q0.nbytes + m * (k + n) * 2) / bw
+                row = dict(model=model, format=fmt, proj=name, m=m, n=n, k=k,
+                           floor_us=floor * 1e6, bytes=q0.nbytes)
+                row["cublas_bf16_us"] = time_graph(lambda i: F.linear(x, dense[i]),
+                                                   len(dense)) * 1e6
+                row["shipped_us"] = time_graph(lambda i: lq.linear_quant(x, qs[i]),
+                                               copies) * 1e6
+                timed = time_configs(lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg),
+                                     candidates(m, q0.group_size or None), copies)
+                row["best"] = [dict(us=us, **cfg.__dict__) for us, cfg in timed[:args.top]]
+                results.append(row)
+                save()
+                best = timed[0][0] if timed else float("nan")
+                print(f"{model} {fmt:9s} {name:8s} M={m:<3d} floor {floor * 1e6:7.1f} us | "
+                      f"bf16 cublas {row['cublas_bf16_us']:7.1f} | shipped "
+                      f"{row['shipped_us']:7.1f} ({floor * 1e6 / row['shipped_us']:.2f}) | best "
+                      f"{best:7.1f} ({floor * 1e6 / best:.2f}) "
+                      f"{timed[0][1] if timed else ''}", flush=True)
+            del qs, dense
+            torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()
