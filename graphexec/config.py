@@ -57,6 +57,13 @@ class EngineConfig:
     # Ranks the model is split over (the vLLM name): one process each, rank 0 this one; on
     # CUDA one device each, from `device` on (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
+    # Tensor parallelism over several hosts (SGLang's flags): the ranks are split evenly over
+    # nnodes hosts; this one is node_rank. Node 0 hosts the rendezvous at dist_init_addr
+    # ("host:port"; the launch channel takes port + 1) and runs the host loop; the others run
+    # workers only (graphexec/parallel/nodes.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     manifest: str | None = None  # from tools/capture.py: buckets (and their memory) to use
     graph_memory_mib: float | None = None  # with a manifest: keep the buckets that fit
     # The prefill token counts a step is padded to (the captured prefill graphs' sizes), from
@@ -157,11 +164,14 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        from .parallel.nodes import NodeLayout
+
+        layout = NodeLayout.of(self)  # ValueError for nnodes, node_rank or dist_init_addr
         if self.device.type == "cuda":
             first, count = self.device.index or 0, torch.cuda.device_count()
-            if first + tp > count:
-                raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices from "
-                                 f"{self.device} on, this machine has {count}")
+            if first + layout.per_node > count:
+                raise ValueError(f"tensor_parallel_size={tp} needs {layout.per_node} CUDA "
+                                 f"devices from {self.device} on, this machine has {count}")
         if tp > 1:
             from .parallel import symmetric
 

@@ -5,6 +5,7 @@ import torch
 import torch.multiprocessing as mp
 
 from graphexec.parallel import process_group
+from graphexec.parallel.nodes import NodeLayout
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
 
@@ -24,7 +25,7 @@ def _one_rank(rank: int, size: int, port: int, fn, args: tuple, device: torch.de
     device = process_group.rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = process_group.connect_store(port, size)
+    store = process_group.connect_store(NodeLayout(size, port=port))
     shard = process_group.join_process_group(rank, size, device, store)
     try:
         conn.send(fn(shard, device, *args))
@@ -58,7 +59,7 @@ def on_every_rank(fn, args: tuple, size: int, device: torch.device) -> list:
     must be importable by name (a module-level function). Rank 0 runs in a new process too, not
     in the test's: a process maps symmetric memory for one engine only
     (parallel/symmetric.py), and every call here must get the all-reduce it asks for."""
-    store = process_group.host_store(size)
+    store = process_group.host_store(NodeLayout(size))
     spawned = [_spawn(_one_rank, (rank, size, store.port, fn, args, device), daemon=True)
                for rank in range(size)]
     try:

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from graphexec.parallel import process_group  # noqa: E402
+from graphexec.parallel.nodes import NodeLayout  # noqa: E402
 
 CALLS = 64  # all-reduces a graph: a llama-8b forward's
 REPLAYS = 20
@@ -49,7 +50,7 @@ def _graph_us(fn, xs: list[torch.Tensor]) -> float:
 def _rank(rank: int, size: int, port: int, kib: list[int], conn, norm_width: int = 0) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    store = process_group.connect_store(port, size)
+    store = process_group.connect_store(NodeLayout(size, port=port))
     shard = process_group.join_process_group(rank, size, device, store)
     rows = []
     for k in kib:
@@ -81,7 +82,7 @@ def main() -> None:
                     help="also time the all-reduce with the residual add and RMSNorm fused, "
                          "the message as rows of this many elements (llama-8b: 4096)")
     args = ap.parse_args()
-    store = process_group.host_store(args.tp)
+    store = process_group.host_store(NodeLayout(args.tp))
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for rank in range(args.tp):

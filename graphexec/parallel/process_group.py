@@ -1,5 +1,6 @@
 """The torch.distributed set-up every tensor-parallel rank runs: NCCL between CUDA devices, gloo
-on the CPU, over a TCP store that rank 0 hosts on this machine (the ranks are its processes)."""
+on the CPU, over a TCP store that rank 0 hosts: on this machine, where every rank is one of its
+processes, or at dist_init_addr for ranks on several hosts (nodes.py)."""
 from __future__ import annotations
 
 import threading
@@ -10,8 +11,8 @@ import torch.distributed as dist
 
 from ..model.shard import Shard
 from . import symmetric
+from .nodes import NodeLayout
 
-HOST = "127.0.0.1"
 # Rendezvous and start-up collectives wait for the slowest rank to load its shard from disk
 # and capture its graphs.
 START_TIMEOUT = timedelta(minutes=10)
@@ -22,30 +23,34 @@ STEP_TIMEOUT = timedelta(seconds=60)
 _REDUCER_KEY = "graphexec/all_reduce"
 
 
-def host_store(size: int) -> dist.TCPStore:
-    """Rank 0's store, on a port the OS picks (store.port), so no port is guessed."""
-    return dist.TCPStore(HOST, 0, size, is_master=True, timeout=START_TIMEOUT,
-                         wait_for_workers=False)
+def host_store(layout: NodeLayout) -> dist.TCPStore:
+    """Rank 0's store: at layout's port, or (one node) on a port the OS picks (store.port), so
+    no port is guessed."""
+    return dist.TCPStore(layout.host, layout.port, layout.size, is_master=True,
+                         timeout=START_TIMEOUT, wait_for_workers=False)
 
 
-def connect_store(port: int, size: int) -> dist.TCPStore:
-    return dist.TCPStore(HOST, port, size, is_master=False, timeout=START_TIMEOUT)
+def connect_store(layout: NodeLayout) -> dist.TCPStore:
+    return dist.TCPStore(layout.host, layout.port, layout.size, is_master=False,
+                         timeout=START_TIMEOUT)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r runs on the r-th CUDA device from `device` on; every rank of a CPU run on the CPU."""
+def rank_device(device: torch.device, local_index: int) -> torch.device:
+    """A rank runs on the CUDA device local_index places from `device` on (its place among its
+    node's ranks); every rank of a CPU run on the CPU."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", (device.index or 0) + local_index)
 
 
 def join_process_group(rank: int, size: int, device: torch.device,
-                       store: dist.TCPStore) -> Shard:
+                       store: dist.TCPStore, one_host: bool = True) -> Shard:
     """Joins the default group (start-up collectives) and makes the group the forward's
-    all-reduces run on, with the shorter step timeout. Every rank must call it."""
+    all-reduces run on, with the shorter step timeout. Every rank must call it. Ranks on
+    several hosts use the backend's own all-reduce: the Triton one maps every rank's memory."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if rank == 0:
-        store.set(_REDUCER_KEY, symmetric.pick(device))
+        store.set(_REDUCER_KEY, symmetric.pick(device) if one_host else "nccl")
     reducer_kind = store.get(_REDUCER_KEY).decode()
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=START_TIMEOUT)

@@ -15,31 +15,41 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..config import EngineConfig
+from .nodes import NodeLayout
 
 # How often a worker with nothing to run checks that rank 0 is still alive.
 PARENT_POLL_S = 1.0
 
 
-def worker_main(cfg: EngineConfig, rank: int, size: int, store_port: int,
-                conn: Connection) -> None:
-    """The process's target. On any failure the traceback goes to rank 0 before the exit."""
-    from . import process_group
+def worker_main(cfg: EngineConfig, rank: int, layout: NodeLayout,
+                conn: Connection | None) -> None:
+    """The process's target. conn: the pipe from rank 0 on this host, or None on another node,
+    where the worker connects to node 0's launch channel itself. On any failure the traceback
+    goes to rank 0 before the exit."""
+    from . import nodes, process_group
 
     joined, abort = False, True
     try:
-        conn.send(("hello",))
-        cfg.device = process_group.rank_device(cfg.device, rank)
+        if conn is not None:
+            conn.send(("hello",))
+        cfg.device = process_group.rank_device(cfg.device, layout.local_index(rank))
         if cfg.device.type == "cuda":
             torch.cuda.set_device(cfg.device)
-        store = process_group.connect_store(store_port, size)
-        shard = process_group.join_process_group(rank, size, cfg.device, store)
+        store = process_group.connect_store(layout)
+        if conn is None:
+            conn = nodes.connect_channel(layout, store, rank)
+        shard = process_group.join_process_group(rank, layout.size, cfg.device, store,
+                                                 one_host=layout.nnodes == 1)
         joined = True
         # Rank 0 leaves the group too when it says stop, and never comes otherwise.
         abort = not _serve(_build(cfg, shard), conn)  # the runner and its graphs go with it
         gc.collect()  # before leaving the group: the graphs hold NCCL work captured on it
     except BaseException:
         try:
-            conn.send(("error", traceback.format_exc()))
+            if conn is not None:
+                conn.send(("error", traceback.format_exc()))
+            else:  # no way to rank 0 yet: this node's log is the only place for it
+                traceback.print_exc()
         except OSError:
             pass
         sys.exit(1)

@@ -11,7 +11,7 @@ import pickle
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 
 from ..config import EngineConfig
 from ..model.shard import Shard
-from . import process_group
+from . import nodes, process_group
+from .nodes import NodeLayout
 from .worker import worker_main
 
 # How long close() lets a worker finish its last step and leave before ending it by signal.
@@ -54,26 +55,40 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, cfg: EngineConfig) -> "WorkerGroup":
-        """Spawns ranks 1..size-1 and joins the process group with them as rank 0."""
+        """Spawns this host's other ranks, takes the other nodes' (nodes.py), and joins the
+        process group with them as rank 0."""
         size = cfg.tensor_parallel_size
+        layout = NodeLayout.of(cfg)
+        if layout.node_rank != 0:
+            raise ValueError(f"node_rank={layout.node_rank}: the engine runs on node 0; the "
+                             "other nodes run workers only (graphexec-serve --node-rank N)")
         if dist.is_initialized():
             raise ValueError(f"tensor_parallel_size={size}: this process already belongs to a "
                              "torch.distributed group (another tensor-parallel Engine still "
                              "open?): close it first")
         ctx = mp.get_context("spawn")
-        store = process_group.host_store(size)
+        store = process_group.host_store(layout)
+        layout = replace(layout, port=store.port)
         group = cls([], _store=store)
         try:
-            for rank in range(1, size):
+            channel = nodes.open_channel(layout, store) if layout.nnodes > 1 else None
+            for rank in layout.ranks()[1:]:
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=worker_main, name=f"graphexec-tp-rank{rank}",
-                                   args=(cfg, rank, size, store.port, theirs), daemon=True)
+                                   args=(cfg, rank, layout, theirs), daemon=True)
                 proc.start()
                 theirs.close()
                 group.workers.append(_Worker(rank, proc, ours))
             group._await_hello()
+            if channel is not None:
+                remote = nodes.accept_remote(channel, layout,
+                                             process_group.START_TIMEOUT.total_seconds(),
+                                             group.check)
+                group.workers += [_Worker(r, nodes.RemoteWorker(c, r), c)
+                                  for r, c in sorted(remote.items())]
             group._joining = True
-            group.shard = process_group.join_process_group(0, size, cfg.device, store)
+            group.shard = process_group.join_process_group(0, size, cfg.device, store,
+                                                           one_host=layout.nnodes == 1)
         except BaseException:
             group.close()
             raise
@@ -122,12 +137,16 @@ class WorkerGroup:
             code = w.process.exitcode
             if code is None:
                 continue
-            if not w.report and w.conn.poll():
-                try:
-                    w.report = w.conn.recv()[1]
-                except (EOFError, OSError):
-                    pass
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            if isinstance(w.process, nodes.RemoteWorker):
+                w.report, how = w.process.report, w.process.how
+            else:
+                if not w.report and w.conn.poll():
+                    try:
+                        w.report = w.conn.recv()[1]
+                    except (EOFError, OSError):
+                        pass
+                how = (f"was killed by signal {-code}" if code < 0 else
+                       f"exited with code {code}")
             detail = f":\n{w.report}" if w.report else ""
             raise self._fail(f"tensor-parallel worker rank {w.rank} (pid {w.process.pid}) "
                              f"{how}{detail}")

@@ -28,7 +28,8 @@ _ENGINE_FLAGS = {"device": "device", "dtype": "dtype", "max_batch": "max_batch",
                  "seed": "seed", "max_num_batched_tokens": "max_num_batched_tokens",
                  "manifest": "manifest", "projections": "projections",
                  "quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype",
-                 "tensor_parallel_size": "tensor_parallel_size"}
+                 "tensor_parallel_size": "tensor_parallel_size", "nnodes": "nnodes",
+                 "node_rank": "node_rank", "dist_init_addr": "dist_init_addr"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="reuse the KV of prompt prefixes seen before")
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="GPUs (CPU processes) the model is split over, one worker each")
+    ap.add_argument("--nnodes", type=int, default=None,
+                    help="hosts the tensor-parallel ranks are split over (default 1)")
+    ap.add_argument("--node-rank", type=int, default=None,
+                    help="this host's place among them: 0 serves HTTP and runs the engine, "
+                         "the others run workers only")
+    ap.add_argument("--dist-init-addr", default=None,
+                    help="host:port of node 0, where the ranks meet (port + 1 is also used)")
     ap.add_argument("--data-parallel-size", type=int, default=1,
                     help="engine replicas behind this server, each a whole model on "
                          "--tensor-parallel-size GPUs of its own (replica r from GPU r*tp on)")
@@ -146,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
     opts = engine_options(args, ap_error)
+    if opts.get("node_rank", 0) > 0:  # a worker node: no server, no engine; its ranks only
+        from ..parallel.nodes import run_node
+
+        logging.basicConfig(level=args.log_level.upper())
+        sys.exit(run_node(EngineConfig(model=args.model, **opts)))
     try:
         timeouts = ReadTimeouts(headers=args.timeout_headers, body=args.timeout_body)
     except ValueError as e:
