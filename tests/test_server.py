@@ -37,11 +37,11 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *extra: str, timeout: float = 120.0):
+    def __init__(self, model: str, *extra: str, timeout: float = 120.0, device: str = "cpu"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "graphexec.serve", "--model", model, "--device", "cpu",
+        cmd = [sys.executable, "-m", "graphexec.serve", "--model", model, "--device", device,
                "--port", str(self.port), *extra]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=root)

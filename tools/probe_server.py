@@ -6,13 +6,17 @@
 - sigterm: open streams and a SIGTERM every second for ten seconds: every stream must end with
   [DONE], and the process must exit within --shutdown-timeout plus 2 s;
 - slowloris: 100 connections that send half their headers: a normal request's latency before
-  and meanwhile, and when the server has closed all 100.
+  and meanwhile, and when the server has closed all 100;
+- replica-kill: a data-parallel server's replica killed under load: how its streams ended, how
+  the others' did, and whether new requests are served.
 
     python tools/probe_server.py stall sigterm slowloris
+    python tools/probe_server.py replica-kill --model llama-8b --device cuda --replicas 4
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import statistics
@@ -172,14 +176,71 @@ def slowloris(model: str, clients: int = 100, headers_s: float = 5.0) -> None:
         srv.stop()
 
 
+def replica_kill(model: str, device: str, replicas: int, streams: int = 64,
+                 max_tokens: int = 400) -> None:
+    srv = Server(model, "--data-parallel-size", str(replicas), "--max-queue", "1024",
+                 device=device, timeout=900)
+    ends: list[str] = []
+    begun = threading.Semaphore(0)
+
+    def one(i: int) -> None:
+        body = {"model": model, "prompt": [10 + i % 50, 11, 12, 13], "max_tokens": max_tokens,
+                "stream": True, "ignore_eos": True}
+        last, counted = [], False
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body,
+                              timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        last.append(line)
+                        if not counted:
+                            begun.release()
+                            counted = True
+        except httpx.HTTPError as e:
+            last.append(f"cut: {type(e).__name__}")
+        ends.append("error" if any('"error"' in x for x in last[-2:]) else
+                    "done" if last and last[-1] == "data: [DONE]" else "cut/hung")
+
+    try:
+        clients = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+        for c in clients:
+            c.start()
+        for _ in range(streams):
+            begun.acquire(timeout=300)
+        engines = sorted(int(c) for t in os.listdir(f"/proc/{srv.proc.pid}/task")
+                         for c in open(f"/proc/{srv.proc.pid}/task/{t}/children").read().split()
+                         if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read())
+        os.kill(engines[0], signal.SIGKILL)
+        t = time.monotonic()
+        for c in clients:
+            c.join(600)
+        print(f"replica-kill: {replicas} replicas, {streams} streams; replica pid "
+              f"{engines[0]} killed; ends {dict((e, ends.count(e)) for e in set(ends))}; "
+              f"all ended {time.monotonic() - t:.1f} s after the kill")
+        health = httpx.get(srv.url + "/health", timeout=10)
+        after = [httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": [1, 2, 3], "max_tokens": 8}).status_code
+            for _ in range(2 * replicas)]
+        print(f"replica-kill: /health {health.status_code} {health.text}; new requests "
+              f"{dict((c, after.count(c)) for c in set(after))}")
+    finally:
+        srv.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("probes", nargs="+", choices=("stall", "sigterm", "slowloris"))
+    ap.add_argument("probes", nargs="+",
+                    choices=("stall", "sigterm", "slowloris", "replica-kill"))
     ap.add_argument("--model", default="smollm2-135m",
                     help="stall needs a tokenizer; the others run on any model")
+    ap.add_argument("--device", default="cpu", help="replica-kill's engines")
+    ap.add_argument("--replicas", type=int, default=2, help="replica-kill's replicas")
     args = ap.parse_args()
     for probe in args.probes:
-        {"stall": stall, "sigterm": sigterm, "slowloris": slowloris}[probe](args.model)
+        if probe == "replica-kill":
+            replica_kill(args.model, args.device, args.replicas)
+        else:
+            {"stall": stall, "sigterm": sigterm, "slowloris": slowloris}[probe](args.model)
 
 
 if __name__ == "__main__":
