@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.http is None:
             continue
         for replicas in args.data_parallel_size:
-            for routing in args.data_parallel_routing:
+            # one replica routes nowhere: one run whatever the policies
+            for routing in args.data_parallel_routing if replicas > 1 else [None]:
                 res, steps, info = bench_http.run_mode(args, mode, cfg, engines.get(mode),
                                                        replicas, routing)
                 key = [mode] + ([f"dp{replicas}"] if replicas > 1 else []) + (
