@@ -77,6 +77,9 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     keep = topk_topp_mask(scaled, top_k, top_p)
     u = uniform_noise(seeds, steps, logits.shape[1])
     gumbel = -torch.log(-torch.log(u))
+    # A -inf logit (a masked token) stays out even where the noise is +inf: u rounds to 1.0 in
+    # fp32 for one entry in 2**24, and -inf + inf would be a NaN that argmax picks.
+    keep &= scaled > float("-inf")
     sampled = (scaled + gumbel).masked_fill(~keep, float("-inf")).argmax(-1)
     return torch.where(greedy, logits.argmax(-1), sampled)
 

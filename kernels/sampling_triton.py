@@ -92,7 +92,8 @@ def _chunk_kernel(logits_ptr, stride_b, temp_ptr, topk_ptr, topp_ptr, seed_ptr, 
             tl.store(next_ptr + unit, rest)
         else:
             key = _row_key(tl.load(seed_ptr + b), tl.load(step_ptr + b))
-            v = s + _gumbel(offs, key, PRECISE_LOG)
+            # a -inf logit stays -inf under +inf noise (sampling.py, sample_ref)
+            v = tl.where(s > float("-inf"), s + _gumbel(offs, key, PRECISE_LOG), float("-inf"))
             tl.store(best_ptr + slot, tl.max(tl.max(_pack(v, offs), 1), 0))
 
 
@@ -128,7 +129,7 @@ def _select_candidates(cand_s_ptr, cand_i_ptr, n_c, s0, z_all, k, p, kon, pon, k
         n_kept = tl.maximum(tl.sum(kept.to(tl.int32), 0), 1)
         cutoff = tl.max(tl.where(ar == n_kept - 1, srt, float("-inf")), 0)
         thr = tl.maximum(thr, cutoff)
-    keep = valid & (cs >= thr)
+    keep = valid & (cs >= thr) & (cs > float("-inf"))
     v = tl.where(keep, cs + _gumbel(ci, key, PRECISE_LOG), float("-inf"))
     best = tl.max(tl.where(keep, _pack(v, ci), _I64_MIN), 0)
     return _unpack_idx(best)
@@ -231,7 +232,7 @@ def _fallback(row_ptr, V, t, k, p, kon, pon, s0, z_all, key,
         x_next = _logits(row_ptr, offs + BLOCK, V)
         s = tl.math.div_rn(x, tl.zeros_like(x) + t)
         x = x_next
-        keep = (s >= thr) & (offs < V)
+        keep = (s >= thr) & (offs < V) & (s > float("-inf"))
         v = s + _gumbel(offs, key, PRECISE_LOG)
         best = tl.maximum(best, tl.where(keep, _pack(v, offs), _I64_MIN))
     return _unpack_idx(tl.max(best, 0))

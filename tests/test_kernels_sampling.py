@@ -223,3 +223,32 @@ def test_argmax_matches_torch(K, dtype, n, v):
     assert out.dtype == torch.int64
     assert torch.equal(out.cpu(), x.cpu().argmax(-1))
     assert out[0].item() == 5
+
+
+def _noise_hitting_one(v: int) -> tuple[int, int, int]:
+    """A (seed, step) whose uniform noise rounds to 1.0 at some index (its Gumbel noise is +inf),
+    and that index."""
+    for step in range(4000):
+        u = samp_ref.uniform_noise(torch.tensor([7]), torch.tensor([step]), v)[0]
+        hit = (u == 1.0).nonzero()
+        if len(hit):
+            return 7, step, int(hit[0])
+    raise AssertionError("no noise of 1.0 in 4000 steps")
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (5, 1.0), (-1, 0.9)])
+def test_masked_tokens_stay_out_under_infinite_noise(K, top_k, top_p):
+    """A token masked to -inf (a grammar, a min_tokens stop id) is never drawn, even where its
+    noise is +inf: -inf + inf is NaN, which an argmax would take."""
+    v = 49152
+    seed, step, hit = _noise_hitting_one(v)
+    logits = torch.full((2, v), float("-inf"))
+    allowed = [(hit + 17 * j) % v for j in range(1, 11)]
+    logits[:, allowed] = torch.randn(2, 10, generator=_gen(3))
+    args = (logits.to(DEV), torch.tensor([1.0, 0.7], device=DEV),
+            torch.full((2,), top_k, device=DEV), torch.full((2,), top_p, device=DEV),
+            torch.full((2,), seed, device=DEV), torch.full((2,), step, device=DEV))
+    for out in (samp_ref.sample_ref(*args), K.ops.sample(*args)):
+        assert set(out.tolist()) <= set(allowed), (out.tolist(), hit)
