@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import linear_tiles_triton as tiles
 from . import pdl
 from .linear_triton import _split_sum_kernel
-from .quant import QuantizedWeight, dequantize
+from .linear_quant import linear_quant_ref
+from .quant import QuantizedWeight
 from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (tests)
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
@@ -41,9 +42,35 @@ def _new(shape, dtype, device) -> torch.Tensor:
 
 
 @triton.jit
-def _x_tile(x_rows, k0, k_hi, m_ok, BLOCK_K: tl.constexpr):
+def _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
+            NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """The input for K columns k0..: x, or silu(gate) * up (GATED), or the RMSNorm of
+    (x + residual) (NORM), rounded as the separate kernels round (linear_tiles_triton)."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < k_hi)[None, :], other=0.0)
+    return tiles._input_tile(x_rows, r_rows, nw_ptr, K, ks, ks < k_hi, m_ok, rstd, dtype, NORM,
+                             HAS_RES, GATED)
+
+
+@triton.jit
+def _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, writes_sum, dtype: tl.constexpr,
+          NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """NORM: 1 / rms of each row of x + residual, in a pass over K before the first dot (every
+    program needs the whole row; it is small and L2-resident), the program chosen by
+    writes_sum storing x + residual as the new residual stream."""
+    rstd = eps  # a placeholder unless NORM
+    if NORM:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        sum_rows = sum_ptr + rm.to(tl.int64)[:, None] * K
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask = m_ok[:, None] & (ks < K)[None, :]
+            xf = tiles._summed_tile(x_rows, r_rows, sum_rows, ks, mask, writes_sum, dtype,
+                                    HAS_RES).to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+    return rstd
 
 
 @triton.jit
@@ -96,6 +123,16 @@ def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
 
 
 @triton.jit
+def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
+          NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
+          UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K block: the input tile through the prologue, times the weight tile w."""
+    x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
+                BLOCK_K)
+    return _accumulate(acc, x, w, scale, DOT, UPCAST, SCALED)
+
+
+@triton.jit
 def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -119,6 +156,13 @@ def _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.c
 
 
 @triton.jit
+def _writes_sum(N, BLOCK_N: tl.constexpr):
+    """Whether this program stores the residual sum of its rows: the first column block's, of
+    the first K split."""
+    return (tl.program_id(0) % tl.cdiv(N, BLOCK_N) == 0) & (tl.program_id(1) == 0)
+
+
+@triton.jit
 def _tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
@@ -133,13 +177,17 @@ def _tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 # fetches its first weight tile (weights are never written during decode), and only then waits
 # for the kernel before it, whose output x is.
 @triton.jit(do_not_specialize=["M"])
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, k_per_split, sx,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-                  STAGES: tl.constexpr, PDL: tl.constexpr):
-    """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale."""
+def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K,
+                  k_per_split, sx, sr, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale, x through the
+    prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
     k_start = k_lo
@@ -147,12 +195,17 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, k_per_sp
         pdl.gdc_launch_dependents()
         w_first = _w8_tile(w_rows, k_lo, k_hi, n_ok, BLOCK_K)
         pdl.gdc_wait()
-        acc = _accumulate(acc, _x_tile(x_rows, k_lo, k_hi, m_ok, BLOCK_K), w_first, rn, DOT,
-                          UPCAST, False)
+    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(N, BLOCK_N), dtype,
+                 NORM, HAS_RES, BLOCK_M, BLOCK_K)
+    prologue = (x_rows, r_rows, nw_ptr, K)
+    if PDL:
+        acc = _step(acc, w_first, rn, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, DOT, UPCAST, False, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        acc = _accumulate(acc, _x_tile(x_rows, k0, k_hi, m_ok, BLOCK_K),
-                          _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K), rn, DOT, UPCAST, False)
+        w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
+        acc = _step(acc, w, rn, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
+                    DOT, UPCAST, False, BLOCK_K)
     if BLOCK_M == 1:  # the row's products, reduced once
         acc = tl.sum(acc, axis=1)[None, :]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -160,17 +213,21 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, k_per_sp
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, KW, k_per_split,
-                  sx, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                  PDL: tl.constexpr):
+def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
+                  M, N, K, KW, k_per_split, sx, sr, eps, NORM: tl.constexpr,
+                  HAS_RES: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
     and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale.
     BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
-    the words a row, passed so that Triton sees its alignment (vector loads)."""
+    the words a row, passed so that Triton sees its alignment (vector loads). x goes through
+    the prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
     s_rows = s_ptr + rn.to(tl.int64) * (K // GROUP)
     z_rows = z_ptr + rn.to(tl.int64) * (K // GROUP)
@@ -178,17 +235,21 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, K
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
-                                BLOCK_N, BLOCK_K)
+        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
+                                  BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
-        acc = _accumulate(acc, _x_tile(x_rows, k_lo, k_hi, m_ok, BLOCK_K), codes, scale, DOT,
-                          UPCAST, True)
+    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(N, BLOCK_N), dtype,
+                 NORM, HAS_RES, BLOCK_M, BLOCK_K)
+    prologue = (x_rows, r_rows, nw_ptr, K)
+    if PDL:
+        acc = _step(acc, codes0, scale0, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM,
+                    HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
                                 BLOCK_N, BLOCK_K)
-        acc = _accumulate(acc, _x_tile(x_rows, k0, k_hi, m_ok, BLOCK_K), codes, scale, DOT,
-                          UPCAST, True)
+        acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, DOT, UPCAST, True, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
@@ -208,23 +269,28 @@ def pick_config(m: int, n: int, k: int, block_k_max: int,
                         cfg.num_stages), split
 
 
-def supported(x: torch.Tensor, weight: QuantizedWeight, max_rows: int) -> bool:
+def supported(x: torch.Tensor, weight: QuantizedWeight, max_rows: int, width: int = 1,
+              *others: torch.Tensor | None) -> bool:
     """Whether the kernel takes these operands, else the reference runs (or, above max_rows,
-    the dense GEMM)."""
-    return (x.dim() == 2 and x.shape[1] == weight.shape[1] and 0 < x.shape[0] <= max_rows
-            and x.dtype in (torch.bfloat16, torch.float16) and (x.is_cuda or _INTERPRET)
-            and x.stride(-1) == 1 and x.device == weight.device)
+    the dense GEMM). width: x's columns per weight column (2 for [gate | up]); others: the
+    residual and norm weight (None where absent), x's dtype and device, dense."""
+    if not (x.dim() == 2 and x.shape[1] == width * weight.shape[1]
+            and 0 < x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.is_cuda or _INTERPRET) and x.stride(-1) == 1 and x.device == weight.device):
+        return False
+    return all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+               for t in others if t is not None)
 
 
-def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 config: LinearConfig | None = None, t: QuantLinearTuning = _TUNING
-                 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype. config: a forced tile (tests);
-    its split_k is the K split."""
-    if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
-        return F.linear(x, dequantize(weight, x.dtype), bias)
-    m, k = x.shape
-    n = weight.shape[0]
+def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+            config: LinearConfig | None, t: QuantLinearTuning,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            eps: float = 0.0, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, summed): the projection of x through the prologue (the RMSNorm of x + residual
+    by norm_weight, or silu(gate) * up when gated), and x + residual (x itself without a
+    residual or a norm)."""
+    m = x.shape[0]
+    n, k = weight.shape
     group = weight.group_size if weight.format == "int4" else k
     if config is None:
         config, split = pick_config(m, n, k, group, t)
@@ -237,23 +303,26 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
     out = _new((m, n), x.dtype, x.device)
+    summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m), split)
     dependent = pdl.enabled(x)
-    tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=bk,
-                 DOT=config.block_m > 1, UPCAST=_INTERPRET, STAGES=config.num_stages,
-                 PDL=dependent, num_warps=config.num_warps, num_stages=config.num_stages,
-                 launch_pdl=dependent)
+    r = residual if residual is not None else x
+    prologue = (x, r, norm_weight if norm_weight is not None else x, summed)
+    tiles = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
+                 HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 BLOCK_K=bk, DOT=config.block_m > 1, UPCAST=_INTERPRET,
+                 STAGES=config.num_stages, PDL=dependent, num_warps=config.num_warps,
+                 num_stages=config.num_stages, launch_pdl=dependent)
     b = bias if bias is not None else out
     if weight.format == "fp8":
-        _w8a16_kernel[grid](x, weight.data, weight.scale, b, out, ws, m, n, k, k_per_split,
-                            x.stride(0), HAS_BIAS=bias is not None, **tiles)
+        _w8a16_kernel[grid](*prologue, weight.data, weight.scale, b, out, ws, m, n, k,
+                            k_per_split, x.stride(0), r.stride(0), eps, **tiles)
     else:
         z = weight.zero if weight.zero is not None else weight.scale
-        _w4a16_kernel[grid](x, weight.data, weight.scale, z, b, out, ws, m, n, k, k // 8,
-                            k_per_split, x.stride(0), GROUP=group,
-                            HAS_ZERO=weight.zero is not None, HAS_BIAS=bias is not None,
-                            **tiles)
+        _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,
+                            k // 8, k_per_split, x.stride(0), r.stride(0), eps, GROUP=group,
+                            HAS_ZERO=weight.zero is not None, **tiles)
     if split > 1:
         block = min(t.split_sum_block, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](
@@ -262,5 +331,48 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
             num_warps=4, launch_pdl=dependent)
         if bias is not None:
             out += bias
-    return out
+    return out, summed
 
+
+def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 config: LinearConfig | None = None, t: QuantLinearTuning = _TUNING
+                 ) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype. config: a forced tile (tests);
+    its split_k is the K split."""
+    if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
+        return linear_quant_ref(x, weight, bias)
+    return _launch(x, weight, bias, config, t)[0]
+
+
+def _fuses(x: torch.Tensor, config: LinearConfig | None, t: QuantLinearTuning) -> bool:
+    """The prologue in the kernel up to t.fuse_max_rows rows (or with a forced config): above,
+    every program re-reading the rows costs more than the separate kernel it saves."""
+    return config is not None or x.shape[0] <= t.fuse_max_rows
+
+
+def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor, eps: float, weight: QuantizedWeight,
+                      bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                      t: QuantLinearTuning = _TUNING) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear_quant(rms_norm(x + residual)), x + residual): one kernel at one row, else the
+    norm kernel then linear_quant. Reference: linear_quant.norm_linear_quant_ref."""
+    if (not _fuses(x, config, t) or not supported(x, weight, x.shape[0], 1, residual,
+                                                  norm_weight)
+            or (residual is not None and residual.shape != x.shape)):
+        from .linear_triton import _norm
+
+        normed, summed = _norm(x, residual, norm_weight, eps)
+        return linear_quant(normed, weight, bias, t=t), summed
+    return _launch(x, weight, bias, config, t, residual, norm_weight, eps)
+
+
+def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
+                          bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                          t: QuantLinearTuning = _TUNING) -> torch.Tensor:
+    """linear_quant(silu(gate) * up): the activation in the kernel's prologue at one row, else
+    the activation kernel then linear_quant. Reference: linear_quant.silu_mul_linear_quant_ref."""
+    if not _fuses(gate_up, config, t) or not supported(gate_up, weight, gate_up.shape[0], 2):
+        from .activation_triton import silu_mul
+
+        return linear_quant(silu_mul(gate_up), weight, bias, t=t)
+    return _launch(gate_up, weight, bias, config, t, gated=True)[0]

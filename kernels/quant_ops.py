@@ -1,16 +1,17 @@
 """QuantizedOps: an op set whose projections also take a QuantizedWeight (kernels/quant.py).
 
 A quantized projection is one more op: each projection of the base set is wrapped so that a
-QuantizedWeight goes to `qlinear` (the reference, or the Triton W8A16 / W4A16 kernels) and a
-dense weight to the base op as before. The norm before a quantized projection and the
-activation before a quantized down projection run as their own kernels (`norm`, `silu_mul`),
-and the residual add after a quantized o or down is left to the next norm, as the plain
-composition of LayerOps does; a dense weight in the same model (the LM head) keeps the base
-set's fusions. On a tensor-parallel rank the quantized o and down return their partial sums
-for the all-reduce, the residual passed on."""
+QuantizedWeight goes to the quantized ops (the references, or the Triton W8A16 / W4A16
+kernels, which at one row take the norm before qkv and gate_up and the activation before
+down into their prologue) and a dense weight to the base op as before. The residual add after
+a quantized o or down is left to the next norm, as the plain composition of LayerOps does; a
+dense weight in the same model (the LM head) keeps the base set's fusions. On a
+tensor-parallel rank the quantized o and down return their partial sums for the all-reduce,
+the residual passed on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 from . import Normed, Ops
@@ -25,8 +26,9 @@ def _quantized(weight) -> bool:
 class QuantizedOps:
     base: Ops
     qlinear: Callable  # (x, QuantizedWeight, bias) -> [M, N]
-    norm: Callable  # (x, residual or None, norm_weight, eps) -> (normed, x + residual)
-    silu_mul: Callable  # gate_up [M, 2I] -> [M, I]
+    # (x, residual or None, norm_weight, eps, QuantizedWeight, bias) -> (proj, x + residual)
+    qnorm_linear: Callable
+    qsilu_mul_linear: Callable  # (gate_up [M, 2I], QuantizedWeight, bias) -> [M, N]
 
     def linear(self, x, weight, bias=None):
         if _quantized(weight):
@@ -40,12 +42,11 @@ class QuantizedOps:
             return self.qlinear(x.x, weight, bias), x.summed
         # no Prenormed reaches here: only a dense o or down projection begins the next norm,
         # and a model's layers are quantized alike
-        normed, summed = self.norm(x, residual, norm_weight, eps)
-        return self.qlinear(normed, weight, bias), summed
+        return self.qnorm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_mul_linear(self, gate_up, weight, bias=None):
         if _quantized(weight):
-            return self.qlinear(self.silu_mul(gate_up), weight, bias)
+            return self.qsilu_mul_linear(gate_up, weight, bias)
         return self.base.silu_mul_linear(gate_up, weight, bias)
 
     def out_linear(self, x, weight, residual, next_norm=None, **kwargs):
@@ -72,31 +73,19 @@ class QuantizedOps:
                        for_rank=None if b.for_rank is None else self.for_rank)
 
 
-def reference_norm(x, residual, norm_weight, eps):
-    """(rms_norm(x + residual), x + residual) by the PyTorch references."""
-    from .rmsnorm import add_rms_norm_ref, rms_norm_ref
-
-    if residual is None:
-        return rms_norm_ref(x, norm_weight, eps), x
-    return add_rms_norm_ref(x, residual, norm_weight, eps)
-
-
 def quantized_reference_ops(base: Ops) -> Ops:
     """base with quantized projections by the PyTorch references (the CPU, the oracle)."""
-    from .activation import silu_mul_ref
-    from .linear_quant import linear_quant_ref
+    from . import linear_quant as lq
 
-    return QuantizedOps(base, linear_quant_ref, reference_norm, silu_mul_ref).ops()
+    return QuantizedOps(base, lq.linear_quant_ref, lq.norm_linear_quant_ref,
+                        lq.silu_mul_linear_quant_ref).ops()
 
 
 def quantized_triton_ops(base: Ops, tuning) -> Ops:
-    """base with quantized projections by the Triton W8A16 / W4A16 kernels, the norm and the
-    activation before them by the Triton kernels (CUDA; the interpreter in tests)."""
-    from functools import partial
+    """base with quantized projections by the Triton W8A16 / W4A16 kernels (CUDA; the
+    interpreter in tests), launched from `tuning`'s table."""
+    from . import linear_quant_triton as lq
 
-    from .activation_triton import silu_mul
-    from .linear_quant_triton import linear_quant
-    from .linear_triton import _norm
-
-    return QuantizedOps(base, partial(linear_quant, t=tuning.quant_linear), _norm,
-                        partial(silu_mul, tuning=tuning.elementwise)).ops()
+    t = tuning.quant_linear
+    return QuantizedOps(base, partial(lq.linear_quant, t=t), partial(lq.norm_linear_quant, t=t),
+                        partial(lq.silu_mul_linear_quant, t=t)).ops()

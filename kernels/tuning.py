@@ -97,6 +97,9 @@ class QuantLinearTuning:
     # Above max_rows the weight is dequantized into a dense copy and cuBLAS runs the GEMM: a
     # prefill chunk's many rows amortise the copy, and the kernel's tiles are decode-sized.
     max_rows: int = 64
+    # The norm before qkv and gate_up, and silu * mul before down, in the kernel's prologue up
+    # to this many rows (as LinearTuning.fuse_max_rows); above, their own kernels run first.
+    fuse_max_rows: int = 1
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
     split_programs: int = 264

@@ -85,3 +85,53 @@ def test_many_rows_take_the_dense_gemm():
     qw = _quantize(torch.randn(16, 128) * 128 ** -0.5, "int4")
     x = _randn((lq.DEFAULT.quant_linear.max_rows + 1, 128), torch.bfloat16, 6)
     _check(lq.linear_quant(x, qw), _ref(x, qw), torch.bfloat16, "reduction")
+
+
+# (m, k, config): one row takes the fused prologue with the shipped tile, more rows with a
+# forced one; a split K makes every program compute the row's norm itself
+PROLOGUE_CASES = big([(1, 4096, None), (1, 14336, (1, 8, 128, 4)), (16, 4096, (16, 32, 64, 2))],
+                     [(1, 256, None), (1, 256, (1, 8, 32, 2)), (5, 128, (16, 16, 32, 1))])
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,config", PROLOGUE_CASES)
+@pytest.mark.parametrize("fmt", ["fp8", "int4_asym"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear_quant(m, k, config, fmt, with_residual):
+    """The RMSNorm of x + residual in the kernel's prologue, against the reference's norm and
+    projection; the residual sum written once."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.linear_quant import norm_linear_quant_ref
+
+    dtype, n = torch.bfloat16, 40
+    x = _randn((m, k), dtype, 7, 3.0)
+    res = _randn((m, k), dtype, 8, 3.0) if with_residual else None
+    nw = (1.0 + 0.2 * _randn((k,), torch.float32, 9)).to(dtype)
+    qw = _quantize(_randn((n, k), torch.float32, 10, k ** -0.5), fmt)
+    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], qw.group_size or k),
+                           split_k=config[3]) if config else None)
+    out, summed = lq.norm_linear_quant(x, res, nw, 1e-5, qw, config=cfg)
+    want, want_sum = norm_linear_quant_ref(x.float(), None if res is None else res.float(),
+                                           nw.float(), 1e-5, qw)
+    _check(out, want.to(dtype), dtype, "reduction")
+    _check(summed, (x + res) if with_residual else x, dtype)
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,config", PROLOGUE_CASES)
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_silu_mul_linear_quant(m, k, config, fmt):
+    """silu(gate) * up in the down projection's prologue, against the reference activation
+    (rounded to bf16, as the kernel rounds it) and projection."""
+    from graphexec.kernels import activation as act_ref
+    from graphexec.kernels import linear_quant_triton as lq
+
+    dtype, n = torch.bfloat16, 24
+    gate_up = _randn((m, 2 * k), dtype, 11)
+    qw = _quantize(_randn((n, k), torch.float32, 12, k ** -0.5), fmt)
+    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], qw.group_size or k),
+                           split_k=config[3]) if config else None)
+    out = lq.silu_mul_linear_quant(gate_up, qw, config=cfg)
+    _check(out, _ref(act_ref.silu_mul_ref(gate_up), qw), dtype, "reduction")

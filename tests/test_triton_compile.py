@@ -477,13 +477,16 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
     from graphexec.kernels.quant import quantize_fp8, quantize_int4
 
     # CPU tensors stand in for CUDA ones: the device test passed, the kernels as on the GPU
-    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows: x.shape[0] <= max_rows)
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows, *a: x.shape[0] <= max_rows)
     h, inter = 2048, 8192
     weights = [quantize_fp8(torch.randn(h, inter)), quantize_int4(torch.randn(h, inter)),
                quantize_int4(torch.randn(h, inter), symmetric=False)]
     for m in (1, 16, 64):
         for w in weights:
             lq.linear_quant(_bf16(m, inter), w)
+    for w in weights:  # one row: the norm or the activation in the prologue
+        lq.norm_linear_quant(_bf16(1, inter), _bf16(1, inter), _bf16(inter), 1e-5, w)
+        lq.silu_mul_linear_quant(_bf16(1, 2 * inter), w)
     names = [name for name, _ in compiled]
     assert {"_w8a16_kernel", "_w4a16_kernel", "_split_sum_kernel"} <= set(names), names
     for name, kernel in compiled:
@@ -536,13 +539,15 @@ def test_quantized_projections_with_programmatic_dependent_launch(compiled, monk
     from graphexec.kernels.quant import quantize_fp8, quantize_int4
 
     monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
-    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows: x.shape[0] <= max_rows)
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows, *a: x.shape[0] <= max_rows)
     h = 2048
     for m in (1, 16):
         for w in (quantize_fp8(torch.randn(h, h)), quantize_int4(torch.randn(h, h), 128, False)):
             lq.linear_quant(_bf16(m, h), w)
+            if m == 1:  # the norm's pass over x and the residual sum come after the wait
+                lq.norm_linear_quant(_bf16(1, h), _bf16(1, h), _bf16(h), 1e-5, w)
     kernels = [k for name, k in compiled if name in ("_w8a16_kernel", "_w4a16_kernel")]
-    assert len(kernels) == 4
+    assert len(kernels) == 6
     for kernel in kernels:
         assert kernel.metadata.launch_pdl
         before = _before_wait(kernel.asm["ptx"])
