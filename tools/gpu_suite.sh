@@ -57,8 +57,9 @@ if has quant; then
     --kv-cache-dtype auto fp8 --out "$OUT" 2>&1 | tee "$OUT/quant.log" | grep '^|'
 fi
 if has tp; then
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tensor_parallel.py \
-    -rfE > "$OUT/test_tp.log" 2>&1; tail -5 "$OUT/test_tp.log"
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tensor_parallel.py \
+    tests/test_gpu_tensor_parallel_quant.py -rfE > "$OUT/test_tp.log" 2>&1
+  tail -5 "$OUT/test_tp.log"
   timeout 200 python3 tools/bench.py decode --models llama-8b --batches 1 64 --shapes 128+128 \
     --modes async+graphs --hf-kinds --tp 1 2 --out "$OUT" 2>&1 | tee "$OUT/tp.log" | grep '^|'
   GRAPHEXEC_PDL=off timeout 100 python3 tools/profile_step.py --model llama-8b --batch 1 \
