@@ -35,11 +35,31 @@ def replica_options(model: str, options: dict, replicas: int) -> list[dict]:
     return out
 
 
+def use_replica_device(options: dict) -> None:
+    """Makes the replica's first GPU this process's current CUDA device, so that everything
+    not placed explicitly (streams, graph capture, the caching allocator's pool) lands on it
+    rather than on GPU 0."""
+    import torch
+
+    device = torch.device(options["device"]) if options.get("device") else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def build_replica(model: str, options: dict):
+    """A server replica's Engine, in its own engine process."""
+    from .engine import Engine
+
+    use_replica_device(options)
+    return Engine(model, **options)
+
+
 def _replica_main(model: str, options: dict, conn) -> None:
     """A replica process: an LLM that answers (prompts, params) with their outputs."""
     try:
         from .llm import LLM
 
+        use_replica_device(options)
         llm = LLM(model, **options)
         conn.send(("ready", llm.engine.tokenizer))
         while True:

@@ -12,7 +12,7 @@ import sys
 import uvicorn
 
 from ..config import EngineConfig
-from ..data_parallel import replica_options
+from ..data_parallel import build_replica, replica_options
 from ..spec import SpeculativeConfig
 from .config import ServeConfig
 from .engine_loop import Phase
@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, [functools.partial(Engine, args.model, **o) for o in per_replica],
+    factories = ([functools.partial(Engine, args.model, **opts)] if len(per_replica) == 1 else
+                 [functools.partial(build_replica, args.model, o) for o in per_replica])
+    app = build_app(config, factories,
                     on_fatal=on_fatal, log_level=args.log_level)
     state = app.state.server
 

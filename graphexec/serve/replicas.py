@@ -50,7 +50,10 @@ class Replicas:
 
     @property
     def serving(self) -> bool:
-        return any(loop.serving for loop in self.loops)
+        """Once every replica has started (none still loading), while any serves: requests
+        that came while some were still capturing graphs would all land on the first one."""
+        return (any(loop.serving for loop in self.loops)
+                and not any(loop.phase is Phase.STARTING for loop in self.loops))
 
     @property
     def phase(self) -> Phase:
@@ -119,10 +122,14 @@ class Replicas:
     # -- faults and metrics ------------------------------------------------------------------
 
     def _failed(self, replica: int) -> None:
+        """A replica that dies while serving leaves the others serving; one that never started
+        (a bad device, no memory) ends the server, as a single engine's failure would, rather
+        than leave it at a fraction of what was asked for."""
         with self._lock:
             self.router.forget(replica)
+            never_served = self.loops[replica].info is None
             gone = all(loop.phase is Phase.FAILED for loop in self.loops)
-        if gone and self.on_fatal is not None:
+        if (gone or never_served) and self.on_fatal is not None:
             self.on_fatal()
 
     def health(self) -> list[dict]:
