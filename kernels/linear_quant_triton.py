@@ -339,9 +339,21 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
                  ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype. config: a forced tile (tests);
     its split_k is the K split."""
+    if config is None and _scaled_mm_rows(x, weight, t):
+        from .linear_fp8_rows import linear_fp8_rows
+
+        return linear_fp8_rows(x, weight, bias)
     if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
         return linear_quant_ref(x, weight, bias)
     return _launch(x, weight, bias, config, t)[0]
+
+
+def _scaled_mm_rows(x: torch.Tensor, weight: QuantizedWeight, t: QuantLinearTuning) -> bool:
+    """Whether these rows of an fp8 weight go to the fp8 tensor cores (W8A8)."""
+    from . import linear_fp8_rows
+
+    return (0 < t.fp8_scaled_mm_min_rows <= x.shape[0] and x.is_cuda
+            and linear_fp8_rows.supported(x, weight))
 
 
 def _fuses(x: torch.Tensor, config: LinearConfig | None, t: QuantLinearTuning) -> bool:

@@ -100,6 +100,10 @@ class QuantLinearTuning:
     # The norm before qkv and gate_up, and silu * mul before down, in the kernel's prologue up
     # to this many rows (as LinearTuning.fuse_max_rows); above, their own kernels run first.
     fuse_max_rows: int = 1
+    # fp8 weights from this many rows on run W8A8 on the fp8 tensor cores (activations
+    # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off until
+    # measured, since it also rounds the activations.
+    fp8_scaled_mm_min_rows: int = 0
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
     split_programs: int = 264

@@ -135,3 +135,19 @@ def test_silu_mul_linear_quant(m, k, config, fmt):
                            split_k=config[3]) if config else None)
     out = lq.silu_mul_linear_quant(gate_up, qw, config=cfg)
     _check(out, _ref(act_ref.silu_mul_ref(gate_up), qw), dtype, "reduction")
+
+
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_rows_on_scaled_mm_match_their_reference(m, bias):
+    """W8A8 through torch._scaled_mm (the fp8 tensor cores on the GPU; torch's CPU kernel
+    here) against activations and weights dequantized by the formulas, fp32 sums."""
+    from graphexec.kernels.linear_fp8_rows import linear_fp8_rows, linear_fp8_rows_ref
+
+    dtype, dev = torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(m, 256, generator=torch.Generator().manual_seed(1)) * 3).to(dev, dtype)
+    qw = quantize_fp8(torch.randn(48, 256, device=dev) * 256 ** -0.5)
+    b = torch.randn(48, device=dev).to(dtype) if bias else None
+    _check(linear_fp8_rows(x, qw, b), linear_fp8_rows_ref(x, qw, b), dtype, "reduction")
+    # the activation rounding is real: W8A8 differs from W8A16
+    assert not torch.equal(linear_fp8_rows(x, qw), _ref(x, qw))

@@ -6,8 +6,9 @@ enough weight copies that nothing is served from L2 (tools/lab/tune_linear.py's 
     python tools/lab/tune_quant_linear.py --models llama-8b --batches 1 16 64 --out out/
 
 Prints, per (format, projection, M), the floor, cuBLAS on the bf16 weight, the shipped
-config and the best candidates, and above QuantLinearTuning.max_rows the dense fallback
-(dequantize + cuBLAS); writes tune_quant_linear.json. QuantLinearTuning
+config and the best candidates (above QuantLinearTuning.max_rows "shipped" is the dense
+fallback, dequantize + cuBLAS), and for fp8 W8A8 on torch._scaled_mm; writes
+tune_quant_linear.json. QuantLinearTuning
 (kernels/tuning.py) is to be set from these runs.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from graphexec.kernels import linear_quant_triton as lq  # noqa: E402
+from graphexec.kernels.linear_fp8_rows import linear_fp8_rows  # noqa: E402
 from graphexec.kernels.quant import dequantize, quantize_fp8, quantize_int4  # noqa: E402
 from graphexec.kernels.tuning import LinearConfig  # noqa: E402
 from tune_linear import (L2_DEFEAT_BYTES, copy_bandwidth, projections, time_configs,  # noqa: E402
@@ -89,6 +91,9 @@ def main() -> None:
                                                    len(dense)) * 1e6
                 row["shipped_us"] = time_graph(lambda i: lq.linear_quant(x, qs[i]),
                                                copies) * 1e6
+                if fmt == "fp8":  # W8A8 on the fp8 tensor cores (fp8_scaled_mm_min_rows)
+                    row["scaled_mm_us"] = time_graph(lambda i: linear_fp8_rows(x, qs[i]),
+                                                     copies) * 1e6
                 timed = time_configs(lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg),
                                      candidates(m, q0.group_size or None), copies)
                 row["best"] = [dict(us=us, **cfg.__dict__) for us, cfg in timed[:args.top]]
@@ -99,7 +104,9 @@ def main() -> None:
                       f"bf16 cublas {row['cublas_bf16_us']:7.1f} | shipped "
                       f"{row['shipped_us']:7.1f} ({floor * 1e6 / row['shipped_us']:.2f}) | best "
                       f"{best:7.1f} ({floor * 1e6 / best:.2f}) "
-                      f"{timed[0][1] if timed else ''}", flush=True)
+                      f"{timed[0][1] if timed else ''}"
+                      + (f" | scaled_mm {row['scaled_mm_us']:7.1f}" if fmt == "fp8" else ""),
+                      flush=True)
             del qs, dense
             torch.cuda.empty_cache()
     save()
