@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--projections", default="auto")
+    ap.add_argument("--quantization", default="none", help="none, fp8, int4, int4_asym")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                     help="a tuning table entry, e.g. linear.auto_max_rows=8")
     args = ap.parse_args()
@@ -48,10 +50,13 @@ def main() -> None:
         path, value = item.split("=", 1)
         tuning.DEFAULT = changed(tuning.DEFAULT, path.split("."), ast.literal_eval(value))
     res, llm = bench_graphexec(args.model, "async+graphs", args.batch, 128, 128,
-                               copy_bandwidth(), args.batch, projections=args.projections)
+                               copy_bandwidth(), args.batch, projections=args.projections,
+                               quantization=args.quantization,
+                               kv_cache_dtype=args.kv_cache_dtype)
     llm.close()
     print(json.dumps(dict(set=args.set, model=args.model, batch=args.batch,
-                          projections=args.projections,
+                          projections=args.projections, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           decode_step_ms=round(res["decode_step_ms"], 4),
                           gpu_busy_ms=round(res["gpu_busy_ms"], 4),
                           roofline_frac=round(res["roofline_frac"], 3),
