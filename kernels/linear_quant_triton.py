@@ -156,18 +156,21 @@ def _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.c
 
 
 @triton.jit
-def _writes_sum(N, BLOCK_N: tl.constexpr):
+def _writes_sum(M, BLOCK_M: tl.constexpr):
     """Whether this program stores the residual sum of its rows: the first column block's, of
     the first K split."""
-    return (tl.program_id(0) % tl.cdiv(N, BLOCK_N) == 0) & (tl.program_id(1) == 0)
+    return (tl.program_id(0) // tl.cdiv(M, BLOCK_M) == 0) & (tl.program_id(1) == 0)
 
 
 @triton.jit
 def _tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    n_tiles = tl.cdiv(N, BLOCK_N)
+    """The program's rows, columns and K range. Row blocks vary fastest: the row blocks of one
+    column block run together and share its weight tile through L2 (many rows would otherwise
+    stream the weight once per row block)."""
+    m_blocks = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
-    rm = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid // m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = tl.program_id(1) * k_per_split
     return rm, rn, rm < M, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K)
 
@@ -195,7 +198,7 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
         pdl.gdc_launch_dependents()
         w_first = _w8_tile(w_rows, k_lo, k_hi, n_ok, BLOCK_K)
         pdl.gdc_wait()
-    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(N, BLOCK_N), dtype,
+    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
@@ -238,7 +241,7 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
         codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
                                   BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
-    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(N, BLOCK_N), dtype,
+    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
