@@ -32,9 +32,10 @@ def quantize_tensor(w: torch.Tensor, method: str,
         return quantize_fp8(w)
     k = w.shape[1]
     if k % group_size:
-        raise ValueError(f"quantization={method!r}: an input dim of {k} (a tensor-parallel "
-                         f"rank's share, or the model's) is not a whole number of groups of "
-                         f"{group_size}: a group would straddle two ranks")
+        raise ValueError(f"quantization={method!r}: a projection's input dim of {k} (its "
+                         f"share under tensor parallelism) is not a whole number of groups of "
+                         f"{group_size}; under tensor parallelism a group would straddle two "
+                         "ranks")
     return quantize_int4(w, group_size, symmetric=method == "int4")
 
 
