@@ -16,19 +16,22 @@ def test_int4_packing_is_compressed_tensors_layout():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_channel_scale_and_error(dtype):
-    w = (torch.randn(16, 256) * torch.linspace(0.01, 3, 16)[:, None]).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(16, 256, generator=g) * torch.linspace(0.01, 3, 16)[:, None]).to(dtype)
     qw = quantize_fp8(w)
     assert qw.shape == w.shape and qw.dtype == dtype and qw.numel() == w.numel()
     torch.testing.assert_close(qw.scale, w.float().abs().amax(1) / 448)
     err = (dequantize(qw, torch.float32) - w.float()).abs()
-    # e4m3 keeps 3 mantissa bits: at most half a step, 1/16 of the value, per element
-    assert (err <= w.float().abs() / 16 + 1e-6).all()
+    # e4m3 keeps 3 mantissa bits: at most half a step, 1/16 of the value, per element; near
+    # zero the subnormals' fixed step of 2^-9 (times the scale) bounds it instead
+    assert (err <= w.float().abs() / 16 + qw.scale[:, None] * 2 ** -10 + 1e-7).all()
     assert qw.nbytes == 16 * 256 + 16 * 4
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_groups_and_error(symmetric, group):
+    torch.manual_seed(group)
     w = torch.randn(8, 512) + (0 if symmetric else 0.7)
     qw = quantize_int4(w, group, symmetric)
     assert qw.data.shape == (8, 64) and qw.scale.shape == (8, 512 // group)
@@ -38,6 +41,7 @@ def test_int4_groups_and_error(symmetric, group):
 
 
 def test_asymmetric_is_tighter_on_shifted_weights():
+    torch.manual_seed(1)
     w = torch.rand(8, 256) + 1.0  # all positive: symmetric wastes the negative codes
     sym = (dequantize(quantize_int4(w)) - w).abs().mean()
     asym = (dequantize(quantize_int4(w, symmetric=False)) - w).abs().mean()
