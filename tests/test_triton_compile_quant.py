@@ -1,0 +1,98 @@
+"""The quantized projections and the fp8 KV cache's kernels compile for an H100 (sm_90) on a
+machine without a GPU, through tests/test_triton_compile.py's stand-in driver: they stream
+their weights with vector or async copies, convert to e4m3 with saturation, and under
+programmatic dependent launch touch nothing an earlier kernel wrote before their wait."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from test_triton_compile import _before_wait, _bf16, compiled, pytestmark  # noqa: F401
+
+triton = pytest.importorskip("triton")
+
+
+def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch):
+    """W8A16 and W4A16 (kernels/linear_quant_triton.py) at decode row counts: the stored
+    weight is read with vector loads, never one byte or word an element."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.quant import quantize_fp8, quantize_int4
+
+    # CPU tensors stand in for CUDA ones: the device test passed, the kernels as on the GPU
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows, *a: x.shape[0] <= max_rows)
+    h, inter = 2048, 8192
+    weights = [quantize_fp8(torch.randn(h, inter)), quantize_int4(torch.randn(h, inter)),
+               quantize_int4(torch.randn(h, inter), symmetric=False)]
+    for m in (1, 16, 64):
+        for w in weights:
+            lq.linear_quant(_bf16(m, inter), w)
+    for w in weights:  # one row: the norm or the activation in the prologue
+        lq.norm_linear_quant(_bf16(1, inter), _bf16(1, inter), _bf16(inter), 1e-5, w)
+        lq.silu_mul_linear_quant(_bf16(1, 2 * inter), w)
+    names = [name for name, _ in compiled]
+    assert {"_w8a16_kernel", "_w4a16_kernel", "_split_sum_kernel"} <= set(names), names
+    for name, kernel in compiled:
+        if name in ("_w8a16_kernel", "_w4a16_kernel"):
+            ptx = kernel.asm["ptx"]
+            # one row: vector loads; more: the pipelined loop's 8- and 16-byte async copies
+            fast = len(re.findall(r"cp\.async\.\w+\.shared\.global|ld\.global(?:\.\w+)*\.v[248]",
+                                  ptx))
+            consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
+            assert fast > 0, (name, sorted(consts.items()))
+            assert not consts["UPCAST"]
+
+
+def test_kv_kernels_compile_for_an_fp8_cache(compiled):
+    """kv_cache_dtype="fp8": the KV writes (alone, with rope, inside the fused decode
+    attention) convert to e4m3 with saturation, and decode and prefill attention read it."""
+    from graphexec.kernels import rope, write_kv_triton
+    from graphexec.kernels.attention_decode_triton import decode_attention_splits
+    from graphexec.kernels.triton_ops import TRITON_OPS as ops
+
+    t, hq, hk, d, bs, nb = 6, 32, 8, 128, 16, 64
+    q, k, v = _bf16(t, hq, d), _bf16(t, hk, d), _bf16(t, hk, d)
+    pos, slots = torch.arange(t), torch.arange(t)
+    cos, sin = rope.rope_cos_sin(4096, d, 500000.0)
+    kc, vc = (torch.zeros(nb, bs, hk, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+    ops.rope_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
+    write_kv_triton.write_kv(kc, vc, k, v, slots)
+    tables = torch.arange(t * 8, dtype=torch.int32).view(t, 8)
+    lens = torch.full((t,), 100, dtype=torch.int32)
+    decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 1,
+                            rope=(k, v, pos, cos, sin, slots))
+    decode_attention_splits(q, kc, vc, tables, lens, d ** -0.5, 4)
+    cu = torch.tensor([0, 2, t], dtype=torch.int32)
+    ops.prefill_attention(q, kc, vc, cu, torch.tensor([50, 4], dtype=torch.int32),
+                          tables[:2], d ** -0.5)
+    names = [name for name, _ in compiled]
+    assert {"_rope_write_kv_kernel", "_write_kv_kernel", "_decode_split_kernel",
+            "_prefill_kernel"} <= set(names), names
+    for name, kernel in compiled:
+        if name in ("_rope_write_kv_kernel", "_write_kv_kernel"):
+            assert "cvt.rn.satfinite.e4m3x2" in kernel.asm["ptx"], name
+
+
+def test_quantized_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
+    """As the dense projections: W8A16 and W4A16 launched as programmatic dependents fetch
+    their first weight tile (and its scales) before griddepcontrol.wait, store nothing before
+    it, and signal their own dependents."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels import pdl
+    from graphexec.kernels.quant import quantize_fp8, quantize_int4
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows, *a: x.shape[0] <= max_rows)
+    h = 2048
+    for m in (1, 16):
+        for w in (quantize_fp8(torch.randn(h, h)), quantize_int4(torch.randn(h, h), 128, False)):
+            lq.linear_quant(_bf16(m, h), w)
+            if m == 1:  # the norm's pass over x and the residual sum come after the wait
+                lq.norm_linear_quant(_bf16(1, h), _bf16(1, h), _bf16(h), 1e-5, w)
+    kernels = [k for name, k in compiled if name in ("_w8a16_kernel", "_w4a16_kernel")]
+    assert len(kernels) == 6
+    for kernel in kernels:
+        assert kernel.metadata.launch_pdl
+        before = _before_wait(kernel.asm["ptx"])
+        assert re.search(r"ld\.global|cp\.async", before), "the first weight tile"
