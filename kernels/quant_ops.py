@@ -40,8 +40,8 @@ class QuantizedOps:
             return self.base.norm_linear(x, residual, norm_weight, eps, weight, bias, **kwargs)
         if isinstance(x, Normed):  # a rank's input, normed by the all-reduce before it
             return self.qlinear(x.x, weight, bias), x.summed
-        # no Prenormed reaches here: only a dense o or down projection begins the next norm,
-        # and a model's layers are quantized alike
+        if hasattr(x, "h"):  # a Prenormed: a dense o or down before it (a checkpoint that
+            x, residual = x.h, None  # left some layers dense) summed the stream already
         return self.qnorm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_mul_linear(self, gate_up, weight, bias=None):

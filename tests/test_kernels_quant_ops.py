@@ -70,3 +70,30 @@ def test_dense_weights_keep_the_base_set():
     x = _randn((1, HID), dtype, 4)
     dense = _randn((96, HID), dtype, 5, HID ** -0.5)
     _check(ops.linear(x, dense), REFERENCE_OPS.linear(x, dense), dtype, "reduction")
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_a_dense_layer_before_a_quantized_one():
+    """A checkpoint may leave a layer dense: in the 33-64-row range its down projection adds
+    the residual and begins the next norm (a Prenormed), which the next, quantized, qkv takes
+    as the stream it is."""
+    dtype, rows = torch.bfloat16, 40
+    ops, ref = _sets(), REFERENCE_OPS
+    x = _randn((rows, HID), dtype, 20)
+    res = _randn((rows, HID), dtype, 21)
+    nw = (1 + 0.1 * _randn((HID,), torch.float32, 22)).to(dtype)
+    gate_up = _randn((2 * INTER, HID), dtype, 23, HID ** -0.5)
+    down = _randn((HID, INTER), dtype, 24, INTER ** -0.5)
+    qkv = _layer("int4", dtype)["qkv"]
+    # a dense qkv on Triton first, as in a model whose layer before was dense: the set then
+    # lets down begin the next norm
+    ops.norm_linear(x, res, nw, 1e-5, _randn((3 * HID, HID), dtype, 25, HID ** -0.5))
+    h, passed = ops.mlp(x, res, nw, 1e-5, gate_up, down, nw)
+    assert hasattr(h, "h") and passed is None, "no Prenormed: the case is not exercised"
+    got, got_sum = ops.norm_linear(h, passed, nw, 1e-5, qkv[0])
+    gu, summed = ref.norm_linear(x, res, nw, 1e-5, gate_up)
+    stream = ref.silu_mul_linear(gu, down) + summed
+    want, want_sum = ref.norm_linear(stream, None, nw, 1e-5, qkv[1])
+    torch.testing.assert_close(got_sum.float(), want_sum.float(), atol=8e-2, rtol=4e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=8e-2, rtol=4e-2)
