@@ -31,6 +31,9 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
     for w in weights:  # one row: the norm or the activation in the prologue
         lq.norm_linear_quant(_bf16(1, inter), _bf16(1, inter), _bf16(inter), 1e-5, w)
         lq.silu_mul_linear_quant(_bf16(1, 2 * inter), w)
+        # fp16 activations, a bias (Qwen2's qkv), a forced K split
+        lq.linear_quant(torch.randn(4, inter).half(), w, torch.randn(h).half())
+        lq.linear_quant(_bf16(1, inter), w, config=lq.LinearConfig(1, 16, 128, 8))
     names = [name for name, _ in compiled]
     assert {"_w8a16_kernel", "_w4a16_kernel", "_split_sum_kernel"} <= set(names), names
     for name, kernel in compiled:
