@@ -136,3 +136,24 @@ def test_async_equals_sync_on_an_fp8_cache_with_prefix_caching():
                 enable_prefix_caching=True, quantization="int4")
     sync = run_engine(Engine("tiny", async_scheduling=False, **opts), reqs)
     _same(sync, run_engine(Engine("tiny", **opts), reqs))
+
+
+def test_fp8_cache_under_pauses_and_a_self_draft():
+    """Tight KV pauses and evicts rows (their KV rebuilt in e4m3 when they resume): async
+    equals sync; and a self-draft over the e4m3 cache keeps plain greedy output."""
+    from graphexec import SpeculativeConfig
+    from test_engine import _mixed_requests, _same, run_engine
+
+    reqs = _mixed_requests(12, seed=8)
+    opts = dict(device="cpu", max_batch=8, num_kv_blocks=14, kv_cache_dtype="fp8")
+    sync_engine = Engine("tiny", async_scheduling=False, **opts)
+    sync = run_engine(sync_engine, reqs)
+    s = sync_engine.stats_summary()
+    assert s["pauses"] + s["evictions"] > 0
+    _same(sync, run_engine(Engine("tiny", **opts), reqs))
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    opts = dict(device="cpu", max_batch=4, num_kv_blocks=64, kv_cache_dtype="fp8")
+    with LLM("tiny", **opts) as llm:
+        plain = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM("tiny", speculative=SpeculativeConfig("self:1", 3), **opts) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
