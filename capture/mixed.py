@@ -38,7 +38,7 @@ DECODE_SPLIT_ROWS: int | None = 8
 
 def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
                decode_rows: int, block_size: int, with_logprobs: bool,
-               draft=None, penalties: bool = False,
+               draft=None, penalties: bool = False, grammar: bool = False,
                prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOut:
     """Writes the chunks' KV, samples each chunk's next token from its last position and sets
     the joining rows' next input, position and step (returned: the chunks' samples); decodes
@@ -89,7 +89,7 @@ def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefill
     state.steps[rows] = steps
     # penalties: the joining rows' slots were filled by this step's delta, before it
     out = sample_rows(model, state, rows, logits, with_logprobs,
-                      samples.bool() if penalties else None)
+                      samples.bool() if penalties else None, grammar)
     # New rows continue from their first sampled token, resumed ones from their last token.
     state.input_ids[rows] = torch.where(samples.bool(), out.tokens, next_input)
     state.positions[rows] = next_position

@@ -50,6 +50,13 @@ class DecodeState:
         self.num_rows = torch.zeros(1, **i64)  # rows holding a request; read inside graphs
         # what penalised rows read, in slots of their own (None: no row may use penalties)
         self.penalties = (PenaltyState(max_rows, vocab_size, device) if penalties else None)
+        # Grammar rows: each step that has one, the host writes every row's token mask and a
+        # flag (1: the row has a grammar) into one int64 buffer, one H2D copy (engine.py).
+        words = -(-vocab_size // 64)
+        self.grammar_rows = torch.zeros(r, words + 1, **i64) if penalties else None
+        if penalties:
+            self.token_mask = self.grammar_rows[:, :words].view(torch.int32)
+            self.mask_on = self.grammar_rows[:, words]
         # Outputs of the last step, read back by the host one step later. A step emits up to
         # tokens_per_step tokens per row (K+1 when speculating); out_count says how many.
         w, f32 = tokens_per_step, dict(device=device, dtype=torch.float32)

@@ -29,6 +29,7 @@ from .rank import resolve_max_model_len
 from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
+from .structured import Grammars, grammar_rows
 from .text.request_text import RequestText
 from .text.tokenizer import load_tokenizer
 
@@ -56,6 +57,8 @@ class EngineStats:
     # end every row (see Engine._all_rows_may_end_in_flight).
     settles: int = 0
     batch_size_sum: int = 0
+    # Steps read before the next plan because a grammar row needs its token for the next mask.
+    grammar_waits: int = 0
 
 
 class Engine:
@@ -84,6 +87,7 @@ class Engine:
         # Waits while the graphs were captured are not chain breaks: only those while serving.
         self._waits_seen = self.runner.host_waits()
         self._closed = False
+        self._grammars: Grammars | None = None  # built with the first structured request
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -151,6 +155,7 @@ class Engine:
         if params.min_tokens and len(stop_ids) > 16:
             raise ValueError(f"stop_token_ids: with min_tokens > 0 at most 16 stop ids (EOS "
                              f"included) can be suppressed, got {len(stop_ids)}")
+        grammar = self._grammar(request_id, params) if params.structured_outputs else None
         seed = params.seed if params.seed is not None else self._rng.randint(0, MAX_SEED)
         self._arrivals += 1
         req = Request(request_id=request_id, prompt=prompt, params=params,
@@ -164,8 +169,18 @@ class Engine:
                                        if params.prompt_logprobs is not None else None),
                       text=(RequestText.create(self.tokenizer, params)
                             if self.tokenizer is not None else None))
+        req.grammar = grammar
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _grammar(self, request_id: str, params: SamplingParams):
+        if self.tokenizer is None or self.runner.k:
+            raise ValueError(f"structured_outputs for {request_id!r} needs a model with a "
+                             "tokenizer, and no speculative decoding")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                      list(self.model_config.eos_token_ids))
+        return self._grammars.matcher(params.structured_outputs)
 
     def _validate_prompt(self, request_id: str, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -253,6 +268,10 @@ class Engine:
         if self._all_rows_may_end_in_flight():
             self.stats.settles += 1
             self._reconcile_until(0, touched)
+        elif (self._grammars is not None and self.in_flight
+              and any(r.grammar is not None for r in self.scheduler.running)):
+            self.stats.grammar_waits += 1  # the next masks follow the tokens in flight
+            self._reconcile_until(0, touched)
         plan = self.scheduler.schedule(self._step_id)
         if not plan.empty:
             self._launch(plan)
@@ -292,7 +311,9 @@ class Engine:
             self.stats.chain_breaks += 1
         self._waits_seen = waits
         self.stats.batch_size_sum += len(plan.rows)
-        launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant)
+        masks = grammar_rows(plan.rows, self._grammars) if plan.variant.grammar else None
+        launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant,
+                                      masks)
         # Each request the step runs, with the fewest and most tokens it emits for it: the
         # prompt chunks (one token for a prompt's last), then the decode rows. A mixed step gives
         # the rows its chunks join their first token only: they decode from the next step on.

@@ -58,6 +58,10 @@ class Variant(NamedTuple):
     # Some row uses penalties, logit bias or min_p (capture/penalties.py); False: the step
     # launches none of their kernels.
     penalties: bool = False
+    # Some row follows a grammar (graphexec/structured.py): the step applies the token masks
+    # the host wrote for it. Captured only together with penalties (whose kernels skip rows
+    # without a slot), so the scheduler sets both.
+    grammar: bool = False
 
 
 @dataclass

@@ -70,7 +70,8 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
         if k:  # the all-greedy speculative iteration
             variants += [Variant(lp, False, sampled=False) for lp in with_lp]
         else:  # penalties, logit bias, min_p (the scheduler sets filters with them)
-            variants += [Variant(lp, True, penalties=True) for lp in with_lp]
+            variants += [Variant(lp, True, penalties=True, grammar=g) for lp in with_lp
+                         for g in (False, True)]
         # Every rank captures the same graphs in the same order: the all-reduces inside them
         # pair up across ranks.
         runner.graphs = GraphSet.capture(runner, cfg.buckets, variants, cfg.token_buckets,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .outputs import RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
+from .structured import RowGrammar
 from .text.request_text import RequestText
 
 
@@ -50,6 +51,7 @@ class Request:
     text: RequestText | None = None  # with a tokenizer: the output text, stop strings
     # prompt_logprobs: one per prompt token, None for the first (nothing before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar: RowGrammar | None = None  # structured outputs: its matcher, one token behind none
     # output tokens at which it ends by length: max_tokens, or the context limit if sooner
     output_limit: int = field(init=False)
 
@@ -109,6 +111,8 @@ class Request:
         """Adds one sampled token and decides whether the request is done."""
         self.output.append(token)
         self.new_tokens.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
         n = len(self.output)

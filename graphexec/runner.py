@@ -90,13 +90,16 @@ class ModelRunner:
     # -- launch -------------------------------------------------------------------------------
 
     def launch(self, delta: StepDelta | None, prefills: list[PrefillChunk], bucket: int,
-               variant: Variant) -> Launched:
+               variant: Variant, grammar_rows: np.ndarray | None = None) -> Launched:
         """Enqueues: delta, the prefill chunks, one decode iteration over `bucket` rows (or,
         for a runner that mixes, one forward over the chunks and the decode rows), and the copy
-        of the results to the step's pinned slot. Returns without waiting."""
-        with self._mirrored("launch", delta, prefills, bucket, variant):
+        of the results to the step's pinned slot. Returns without waiting. grammar_rows: with
+        variant.grammar, each row's token mask and flag (DecodeState.grammar_rows' layout)."""
+        with self._mirrored("launch", delta, prefills, bucket, variant, grammar_rows):
             if delta is not None:
                 self._apply_delta(delta)
+            if grammar_rows is not None:
+                self.h2d.put_into(grammar_rows.reshape(-1), self.state.grammar_rows.view(-1))
             slot = self.results.take()
             num_decode, samples = self._run(prefills, bucket, variant)
             prompt = to_pinned(samples.prompt) if samples and samples.prompt else None
@@ -129,12 +132,12 @@ class ModelRunner:
              variant: Variant) -> tuple[int, SampleOut | None]:
         """Enqueues the step's forward passes, which publish the decode rows' results exactly
         once. Returns how many rows it decoded and the chunks' samples."""
-        lp, pen = variant.logprobs, variant.penalties
+        lp, pen = variant.logprobs, (variant.penalties, variant.grammar)
         if prefills and self.mixed:
             # the rows its chunks join (the last ones) get their first token only
             num_decode = self.num_rows - sum(c.row is not None for c in prefills)
             with self._timeline_span(True):
-                return num_decode, self._mixed_step(prefills, lp, num_decode, pen)
+                return num_decode, self._mixed_step(prefills, lp, num_decode, *pen)
         samples = self._mixed_step(prefills, lp) if prefills else None  # chunks alone
         if not self.num_rows:  # nothing decodes; the publish keeps the slot counter in step
             self.results.publish(self.state.out_packed[:1])
@@ -160,7 +163,8 @@ class ModelRunner:
         end.record()
 
     def _mixed_step(self, chunks: list[PrefillChunk], with_logprobs: bool,
-                    num_decode: int | None = None, penalties: bool = False) -> SampleOut:
+                    num_decode: int | None = None, penalties: bool = False,
+                    grammar: bool = False) -> SampleOut:
         """One forward over the chunks after num_decode decode rows (a mixed step), or with
         num_decode None over the chunks alone (a speculative runner's, before its iteration).
         On CUDA, padded to a token bucket over the static buffer: a graph replay, or eagerly
@@ -185,18 +189,19 @@ class ModelRunner:
                 d_rows, _ = self.h2d.put(at + targets, [])
                 rows = (d_rows[:len(at)], d_rows[len(at):])
             return self._run_mixed_step(PrefillMeta.view(d, num_tokens, len(chunks), cols),
-                                        with_logprobs, lead, penalties, rows)
+                                        with_logprobs, lead, penalties, rows, grammar)
         ints = pack_prefill(chunks, tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
                             self.scratch_block, st.inert_row, lead)
         key = (tokens, with_logprobs, penalties)
-        if self.graphs is not None and key in self.graphs.prefill:
+        # a grammar's masks: eager, at the graphs' shapes (no mixed graph applies them yet)
+        if self.graphs is not None and key in self.graphs.prefill and not grammar:
             self.h2d.put_into(ints, self.prefill_buffer)
             return self.graphs.replay_prefill(*key)
-        return self.padded_mixed_step(tokens, with_logprobs, ints, penalties)
+        return self.padded_mixed_step(tokens, with_logprobs, ints, penalties, grammar)
 
     def padded_mixed_step(self, tokens: int, with_logprobs: bool,
                           ints: np.ndarray | None = None,
-                          penalties: bool = False) -> SampleOut:
+                          penalties: bool = False, grammar: bool = False) -> SampleOut:
         """The mixed step (or a speculative runner's chunks alone) of `tokens`' bucket over the
         static buffer, as its graph runs it, eagerly. With no `ints`, one of nothing but
         padding (it writes only the scratch block and the inert row): what GraphSet.capture
@@ -209,18 +214,19 @@ class ModelRunner:
                                     self.scratch_block, st.inert_row)
             self.h2d.put_into(ints, self.prefill_buffer)
         meta = PrefillMeta.view(self.prefill_buffer, tokens, MAX_PREFILL_SEQS, st.max_cols)
-        return self._run_mixed_step(meta, with_logprobs, min(self.max_rows, tokens), penalties)
+        return self._run_mixed_step(meta, with_logprobs, min(self.max_rows, tokens), penalties,
+                                    grammar=grammar)
 
     def _run_mixed_step(self, meta: PrefillMeta, with_logprobs: bool,
                         decode_rows: int, penalties: bool = False,
-                        prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> SampleOut:
+                        prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        grammar: bool = False) -> SampleOut:
         """Eager: the mixed step with a decode part of decode_rows rows, or the chunks alone
         (a speculative runner)."""
         st = self.state
         rows = decode_rows if self.mixed else 0
         out = mixed_step(self.model, st, self.kv, meta, rows, self.block_size, with_logprobs,
-                         self.draft, penalties, prompt_rows)
+                         self.draft, penalties, grammar, prompt_rows)
         if self.mixed:  # the decode rows' results, as the decode iteration publishes them
             self.results.publish(st.out_packed[:max(decode_rows, 1)])
         return out

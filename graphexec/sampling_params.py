@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
@@ -28,7 +30,8 @@ class SamplingParams:
     vLLM: a positive logit is divided by it, a negative one multiplied. min_p (0..1): after
     temperature, keep the tokens whose probability is at least min_p times the largest.
     logit_bias: {token id: bias in -100..100}, at most 300, added before the penalties.
-    prompt_logprobs: None, or n in 0..20 for each prompt token's logprob and the top n."""
+    prompt_logprobs: None, or n in 0..20 for each prompt token's logprob and the top n.
+    structured_outputs: a StructuredOutputsParams the output must follow (needs a tokenizer)."""
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -48,6 +51,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -90,6 +94,12 @@ class SamplingParams:
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self._check_penalties()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(so).__name__}")
+        if so is not None and self.ignore_eos:
+            raise ValueError("ignore_eos: a structured output ends where its grammar does")
         # read for every row of every step (the scheduler's variant): computed once
         self._uses_penalties = bool(self.penalty_fields)
 

@@ -107,11 +107,12 @@ class Scheduler:
         logprobs = any(r.params.logprobs is not None for r in self.running)
         if self.spec_tokens and all(r.params.temperature == 0 for r in self.running):
             return Variant(logprobs, filters=False, sampled=False)  # filters: greedy ignores them
-        penalties = any(r.params.uses_penalties for r in self.running)
+        grammar = any(r.grammar is not None for r in self.running)
+        penalties = grammar or any(r.params.uses_penalties for r in self.running)
         # plain decoding ignores `filters`; the penalties variant is captured with it on only
         return Variant(logprobs, filters=penalties or any(r.top_k > 0 or r.params.top_p < 1
                                                           for r in self.running),
-                       penalties=penalties)
+                       penalties=penalties, grammar=grammar)
 
     def _missing_blocks(self, req: Request) -> int:
         """Blocks the row lacks for every position its next step may write: from its next input

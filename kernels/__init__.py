@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from . import advance, attention, linear, penalties, rmsnorm, rope, sampling
+from . import advance, attention, linear, penalties, rmsnorm, rope, sampling, token_mask
 from .tuning import tuning_for
 
 
@@ -67,6 +67,7 @@ class Ops:
     apply_penalties: Callable = penalties.apply_penalties_ref
     apply_min_p: Callable = penalties.apply_min_p_ref
     count_tokens: Callable = penalties.count_tokens_ref
+    apply_token_mask: Callable = token_mask.apply_token_mask_ref  # grammar rows' bitmasks
 
 
 @dataclass(frozen=True)

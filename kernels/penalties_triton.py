@@ -70,20 +70,29 @@ def _penalty_kernel(logits_ptr, stride_b, slots_ptr, counts_ptr, prompt_ptr, str
         tl.store(ptr, x.to(logits_ptr.dtype.element_ty), mask=inb)
 
 
+def row_blocks(logits: torch.Tensor, tuning: SamplingTuning) -> dict | None:
+    """The launch of a kernel over (row, block of the vocabulary) programs: its grid and launch
+    options; None for no rows."""
+    b, v = logits.shape
+    if b == 0:
+        return None
+    dependent = pdl.enabled(logits)
+    return dict(grid=(b, triton.cdiv(v, tuning.penalty_block)), BLOCK=tuning.penalty_block,
+                PDL=dependent, num_warps=tuning.penalty_warps, launch_pdl=dependent)
+
+
 def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                     prompt_mask: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
                     repetition: torch.Tensor, *,
                     tuning: SamplingTuning = DEFAULT.sampling) -> torch.Tensor:
-    b, v = logits.shape
-    if b == 0:
+    launch = row_blocks(logits, tuning)
+    if launch is None:
         return logits
-    block = tuning.penalty_block
-    dependent = pdl.enabled(logits)
+    grid = launch.pop("grid")
     # the mask is read as bytes: a bool tensor viewed as uint8 (same storage)
-    _penalty_kernel[(b, triton.cdiv(v, block))](
-        logits, logits.stride(0), slots, counts, prompt_mask.view(torch.uint8), counts.stride(0),
-        presence, frequency, repetition, v, BLOCK=block, PDL=dependent,
-        num_warps=tuning.penalty_warps, launch_pdl=dependent)
+    _penalty_kernel[grid](logits, logits.stride(0), slots, counts, prompt_mask.view(torch.uint8),
+                          counts.stride(0), presence, frequency, repetition, logits.shape[1],
+                          **launch)
     return logits
 
 

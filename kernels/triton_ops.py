@@ -61,7 +61,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 from . import (advance_triton, attention_decode_triton, attention_prefill_triton,  # noqa: E402
                linear_triton, norm_rope_triton, penalties_triton, sampling_triton,
-               stop_tokens_triton)
+               stop_tokens_triton, token_mask_triton)
 from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
@@ -92,6 +92,7 @@ TRITON_OPS = Ops(
     apply_penalties=penalties_triton.apply_penalties,
     apply_min_p=penalties_triton.apply_min_p,
     count_tokens=penalties_triton.count_tokens,
+    apply_token_mask=token_mask_triton.apply_token_mask,
 )
 
 

@@ -50,7 +50,9 @@ class AsyncEqualsSync(RuleBasedStateMachine):
     def add(self, prompt_len, max_tokens, greedy, seed):
         rng = random.Random(seed)
         prompt = [rng.randrange(2, 512) for _ in range(prompt_len)]
-        params = random_params(rng, greedy, max_tokens)
+        # speculative engines refuse penalties (engine.py): their machines go without
+        params = random_params(rng, greedy, max_tokens,
+                               penalties="speculative" not in self.ENGINE)
         self._submit(prompt, params)
 
     def _submit(self, prompt, params):

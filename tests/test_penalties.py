@@ -176,10 +176,10 @@ def test_plain_batches_take_the_plain_variant():
     seen = []
     launch = engine.runner.launch
 
-    def spy(delta, prefills, bucket, variant):
+    def spy(delta, prefills, bucket, variant, *rest):
         seen.append((variant.penalties, any(r.params.uses_penalties
                                             for r in engine.scheduler.running)))
-        return launch(delta, prefills, bucket, variant)
+        return launch(delta, prefills, bucket, variant, *rest)
 
     engine.runner.launch = spy
     run_engine(engine, [r for r in reqs if not r[2].uses_penalties])

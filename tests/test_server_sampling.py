@@ -117,3 +117,59 @@ def test_bad_values_are_400_naming_the_field(client, case):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=2, **BAD[case])
     assert e.value.body["param"] == param, e.value.body
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer", "minimum": 0}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_response_format_json_schema(client):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    msgs = [{"role": "user", "content": "Give me a city and its population as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=100,
+                                         temperature=0, response_format=fmt)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=100,
+                                            temperature=0, response_format=fmt, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == out.choices[0].message.content
+    obj = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=100, seed=1,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_structured_outputs_extension(client):
+    import re
+
+    pytest.importorskip("xgrammar")
+    out = client.completions.create(model=MODEL, prompt="A product code:", max_tokens=20,
+                                    temperature=1.0, seed=3, extra_body={
+                                        "structured_outputs": {"regex": r"[A-Z]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", out.choices[0].text), out.choices[0].text
+    out = client.completions.create(model=MODEL, prompt="Is the sky blue?", max_tokens=5,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert out.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("change,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"json": {}, "regex": "x"}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"pattern": "x"}}}, "structured_outputs"),
+])
+def test_bad_structured_outputs_are_400(client, change, param):
+    pytest.importorskip("xgrammar")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=5, **change)
+    assert e.value.body["param"] == param, e.value.body
+    assert "cmpl-" not in e.value.body["message"], e.value.body

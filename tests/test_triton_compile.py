@@ -447,7 +447,8 @@ def test_the_lm_head_lands_its_tiles_and_releases_one_arrival_a_program(compiled
 
 
 def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
-    """The penalties' kernels (kernels/penalties_triton.py) compile for sm_90 and, launched as
+    """The penalties' and grammar masks' kernels (kernels/penalties_triton.py,
+    token_mask_triton.py) compile for sm_90 and, launched as
     programmatic dependents, read nothing before the wait: the logits and counts they touch
     come from the kernels before them."""
     from graphexec.kernels import pdl, penalties_triton as pt
@@ -462,7 +463,11 @@ def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
                        torch.zeros(s), torch.zeros(s), torch.ones(s))
     pt.apply_min_p(logits, slots, torch.rand(t), torch.zeros(s))
     pt.count_tokens(counts, slots, torch.arange(t), torch.ones(t, dtype=torch.bool))
-    want = {"_bias_kernel", "_penalty_kernel", "_min_p_kernel", "_count_kernel"}
+    from graphexec.kernels.token_mask_triton import apply_token_mask
+    rows = torch.zeros(t, v // 64 + 1, dtype=torch.int64)  # DecodeState.grammar_rows' layout
+    apply_token_mask(logits, rows[:, :-1].view(torch.int32), rows[:, -1])
+    want = {"_bias_kernel", "_penalty_kernel", "_min_p_kernel", "_count_kernel",
+            "_token_mask_kernel"}
     kernels = [(name, k) for name, k in compiled if name in want]
     assert {name for name, _ in kernels} == want
     for name, kernel in kernels:

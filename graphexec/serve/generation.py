@@ -130,7 +130,8 @@ def _param_of_engine_error(message: str, names: FieldNames) -> str | None:
         return names.max_tokens
     if head.startswith("prompt"):
         return names.prompt
-    return {"max_tokens": names.max_tokens, "logprobs": names.logprobs}.get(head, head or None)
+    return {"max_tokens": names.max_tokens, "logprobs": names.logprobs,
+            "structured_outputs": names.structured}.get(head, head or None)
 
 
 class ClientGone(Exception):

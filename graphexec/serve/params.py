@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from ..sampling_params import MAX_SEED, SamplingParams
+from ..structured import StructuredOutputsParams
 from .errors import APIError, invalid
 from .model_info import ModelInfo
 from .prompts import check_unicode
@@ -26,6 +27,7 @@ class FieldNames:
     max_tokens: str
     logprobs: str
     prompt: str
+    structured: str = "structured_outputs"  # or response_format, whichever the client sent
 
 
 COMPLETION_FIELDS = FieldNames(max_tokens="max_tokens", logprobs="logprobs", prompt="prompt")
@@ -34,7 +36,8 @@ COMPLETION_FIELDS = FieldNames(max_tokens="max_tokens", logprobs="logprobs", pro
 def chat_fields(req: ChatCompletionRequest) -> FieldNames:
     return FieldNames(
         max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
-        else "max_tokens", logprobs="top_logprobs", prompt="messages")
+        else "max_tokens", logprobs="top_logprobs", prompt="messages",
+        structured="response_format" if _response_format(req) else "structured_outputs")
 
 
 def _unsupported(param: str, what: str) -> APIError:
@@ -55,8 +58,9 @@ def check_common(req: SamplingFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise _unsupported("tools", "tool calling")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "a structured response format")
+        if _response_format(req) and req.structured_outputs:
+            raise invalid("response_format and structured_outputs: send one of them",
+                          "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
 
@@ -118,6 +122,7 @@ def sampling_params(req: SamplingFields, names: FieldNames, prompt_len: int, inf
         min_p=req.min_p or 0.0, logit_bias=req.logit_bias or None,
         prompt_logprobs=_prompt_logprobs(req))
     try:
+        options["structured_outputs"] = structured_outputs(req)
         return SamplingParams(**options)
     except ValueError as e:
         raise _renamed(str(e), names) from None
@@ -127,7 +132,38 @@ def _renamed(message: str, names: FieldNames) -> APIError:
     """SamplingParams' messages start with its field's name: put the API's name there."""
     m = re.match(r"[a-z_]+", message)
     field = m.group(0) if m else None
-    api = {"max_tokens": names.max_tokens, "logprobs": names.logprobs}.get(field, field)
+    api = {"max_tokens": names.max_tokens, "logprobs": names.logprobs,
+           "structured_outputs": names.structured}.get(field, field)
     if field and api != field:
         message = api + message[len(field):]
     return invalid(message, api)
+
+
+def _response_format(req: SamplingFields) -> dict | None:
+    """A chat request's response_format, unless it asks for plain text."""
+    rf = getattr(req, "response_format", None)
+    return rf if rf and rf.get("type", "text") != "text" else None
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"schema": ...}}) or the structured_outputs extension, as StructuredOutputsParams. Its
+    ValueErrors start with structured_outputs (mapped back to the field the client sent)."""
+    rf = _response_format(req)
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (rf.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise ValueError("structured_outputs: response_format must be {\"type\": "
+                             "\"json_object\"} or {\"type\": \"json_schema\", "
+                             "\"json_schema\": {\"schema\": {...}}}")
+        return StructuredOutputsParams(json=schema)
+    if req.structured_outputs is None:
+        return None
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    extra = set(req.structured_outputs) - known
+    if extra:
+        raise ValueError(f"structured_outputs takes {sorted(known)}, not {sorted(extra)}")
+    return StructuredOutputsParams(**req.structured_outputs)

@@ -43,6 +43,9 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = None
     min_p: float | None = None
     prompt_logprobs: int | None = None
+    # vLLM's StructuredOutputsParams as an object: one of json, regex, choice, grammar,
+    # json_object
+    structured_outputs: dict | None = None
     user: str | None = None
     min_tokens: int = 0
     ignore_eos: bool = False

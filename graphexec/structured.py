@@ -1,0 +1,129 @@
+"""Structured outputs on xgrammar: what a request asks for (StructuredOutputsParams, vLLM's
+names), its compiled grammar, and the matcher that follows its tokens on the host.
+
+The host advances each row's matcher as its tokens are reconciled and writes the bitmask of the
+tokens the grammar allows next (one bit per vocabulary entry, xgrammar's layout) into the step's
+mask rows; the captured sampler sets every other token to -inf (kernels/token_mask.py). The mask
+of step n + 1 depends on the token of step n, so while a grammar row is in the batch the engine
+reads each step before it plans the next (graphexec/engine.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of: json (a JSON schema, as a dict or its text), regex, choice (the output
+    is one of these strings), grammar (EBNF, xgrammar's dialect), json_object=True (any JSON
+    object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its "
+                             f"text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple))
+                                        or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             "strings")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+
+class Grammars:
+    """One engine's compiler (its tokenizer's vocabulary) and the grammars it compiled."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        # xgrammar reads the vocabulary and how it is encoded (byte-level, byte fallback)
+        # from a transformers tokenizer; ours wraps the same `tokenizers` object.
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info)
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's mask
+        self._xgr = xgr
+
+    def matcher(self, params: StructuredOutputsParams) -> "RowGrammar":
+        """A matcher at the start of the grammar. A grammar that does not compile is a
+        ValueError with the compiler's message."""
+        kind = params.kind
+        value: Any = getattr(params, kind)
+        c = self.compiler
+        try:
+            if kind == "json":
+                compiled = c.compile_json_schema(value if isinstance(value, str)
+                                                 else json.dumps(value))
+            elif kind == "json_object":
+                compiled = c.compile_builtin_json_grammar()
+            elif kind == "regex":
+                compiled = c.compile_regex(value)
+            elif kind == "choice":
+                compiled = c.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(s) for s in value))
+            else:
+                compiled = c.compile_grammar(value)
+        except Exception as e:  # xgrammar raises RuntimeError (and others) for bad input
+            raise ValueError(f"structured_outputs.{kind} does not compile: {e}") from None
+        return RowGrammar(self._xgr.GrammarMatcher(compiled), self)
+
+
+class RowGrammar:
+    """One request's matcher: the tokens accepted so far, and the mask of what may follow."""
+
+    def __init__(self, matcher, grammars: Grammars):
+        self.matcher = matcher
+        self._mask = grammars._xgr.allocate_token_bitmask(1, grammars.info.vocab_size)
+        self.rejected = 0  # tokens the grammar refused (a masked sampler never draws one)
+
+    def accept(self, token: int) -> None:
+        if self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token):
+            self.rejected += 1
+
+    def mask_into(self, row: np.ndarray) -> None:
+        """Writes the next token's mask into `row` (int32, the engine's words)."""
+        self.matcher.fill_next_token_bitmask(self._mask)
+        m = self._mask.numpy()[0]
+        row[:len(m)] = m
+
+
+def grammar_rows(rows: list, grammars: Grammars) -> np.ndarray:
+    """Every row's next-token mask and grammar flag, in DecodeState.grammar_rows' layout: int64
+    words of two int32 mask words each, then the flag. Rows without a grammar: flag 0."""
+    words = -(-grammars.words // 2)
+    out = np.zeros((len(rows), words + 1), dtype=np.int64)
+    masks = out[:, :words].view(np.int32)
+    for i, req in enumerate(rows):
+        if req.grammar is not None:
+            req.grammar.mask_into(masks[i])
+            out[i, words] = 1
+    return out

@@ -1,0 +1,154 @@
+"""Structured outputs (xgrammar) through the engine, on SmolLM2 with its tokenizer, checked by
+oracles outside graphexec: outputs parse with `json` and validate with `jsonschema`, regexes
+fullmatch with `re`, and a request ends by EOS only where its grammar accepts. Random schemas at
+temperature 1 among unconstrained rows; async equals sync token for token; pauses and
+evictions; a schema that does not compile is a ValueError and the engine keeps serving."""
+import json
+import random
+import re
+
+import pytest
+
+from graphexec import Engine, SamplingParams
+from graphexec.structured import StructuredOutputsParams as S
+from test_engine import _same, run_engine
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+MODEL = "smollm2-135m"
+PROMPT = "Here is a JSON object describing a person:"
+
+
+def _schema(rng: random.Random) -> dict:
+    """A random object schema of bounded output: enums, bounded integers, short strings,
+    booleans, a short array, an optional field."""
+    kinds = [
+        lambda: {"type": "integer", "minimum": rng.randint(-5, 0), "maximum": rng.randint(1, 99)},
+        lambda: {"type": "string", "maxLength": rng.randint(1, 10)},
+        lambda: {"enum": rng.sample(["red", "green", "blue", "cyan", 7, None], 3)},
+        lambda: {"type": "boolean"},
+        lambda: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                 "maxItems": 3},
+    ]
+    names = rng.sample(["name", "age", "color", "ok", "tags", "id", "city"], rng.randint(1, 4))
+    props = {n: rng.choice(kinds)() for n in names}
+    required = names[:max(1, len(names) - 1)]
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+def _requests(n: int, seed: int, lengths=(40, 80)) -> list[tuple[str, str, SamplingParams,
+                                                                  object]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 6
+        spec, check = None, None
+        if kind in (0, 1, 2):
+            schema = _schema(rng)
+            spec, check = S(json=schema), ("json", schema)
+        elif kind == 3:
+            spec, check = S(regex=r"[A-Z][a-z]{1,6} [0-9]{2,4}"), ("regex", None)
+        elif kind == 4:
+            spec, check = S(choice=["yes", "no", "perhaps"]), ("choice", ["yes", "no", "perhaps"])
+        params = SamplingParams(max_tokens=rng.choice(lengths), temperature=1.0, seed=i,
+                                structured_outputs=spec, presence_penalty=0.3 if i % 4 == 1
+                                else 0.0)
+        out.append((f"r{i}", PROMPT, params, check))
+    return out
+
+
+def check_output(out, params: SamplingParams, check, eos: int) -> bool:
+    """Whether the output is complete: it then parses and validates (raises otherwise). An
+    output cut by max_tokens is a prefix and is not checked whole."""
+    if check is None:
+        return False
+    if out.finish_reason != "stop":
+        assert out.finish_reason == "length", out.finish_reason
+        return False
+    assert out.token_ids[-1] == eos  # ended by EOS, which the grammar allowed only here
+    kind, arg = check
+    text = out.text
+    if kind == "json":
+        jsonschema.validate(json.loads(text), arg)
+    elif kind == "regex":
+        assert re.fullmatch(params.structured_outputs.regex, text), text
+    else:
+        assert text in arg, text
+    return True
+
+
+@pytest.fixture(scope="module")
+def sync_engine():
+    return Engine(MODEL, max_model_len=512, max_batch=8, async_scheduling=False)
+
+
+def test_random_schemas_validate_and_async_equals_sync(sync_engine):
+    reqs = _requests(12, seed=1)
+    params = [(rid, p, sp) for rid, p, sp, _ in reqs]
+    sync = run_engine(sync_engine, params)
+    engine = Engine(MODEL, max_model_len=512, max_batch=8, max_num_batched_tokens=64)
+    asyn = run_engine(engine, params)
+    _same(sync, asyn)
+    eos = engine.model_config.eos_token_ids[0]
+    complete = sum(check_output(sync[rid], sp, check, eos) for rid, _, sp, check in reqs)
+    assert complete >= 6, complete
+    assert engine.stats.grammar_waits > 0
+    for req in engine.requests.values():
+        assert req.grammar is None or req.grammar.rejected == 0
+
+
+def test_pause_and_eviction_keep_the_grammar():
+    """Rows paused and evicted resume with their matchers where their tokens left them: the
+    same outputs as with a cache that never runs short, all of them valid."""
+    reqs = [r for r in _requests(8, seed=2, lengths=(60,)) if r[3] is not None][:6]
+    params = [(rid, p * 4, sp) for rid, p, sp, _ in reqs]  # long prompts: the cache runs short
+    ample = run_engine(Engine(MODEL, max_model_len=512, max_batch=8, block_size=4,
+                              num_kv_blocks=512), params)
+    tight = Engine(MODEL, max_model_len=512, max_batch=8, block_size=4, num_kv_blocks=30)
+    _same(ample, run_engine(tight, params))
+    assert tight.scheduler.stats.pauses + tight.scheduler.stats.evictions > 0
+    eos = tight.model_config.eos_token_ids[0]
+    assert sum(check_output(ample[rid], sp, c, eos) for rid, _, sp, c in reqs) >= 3
+
+
+def test_grammar_and_json_object(sync_engine):
+    ebnf = 'root ::= "(" digit+ ("," digit+)* ")"\ndigit ::= [0-9]'
+    reqs = [("g", "Numbers:", SamplingParams(max_tokens=40, temperature=1.0, seed=5,
+                                             structured_outputs=S(grammar=ebnf))),
+            ("o", PROMPT, SamplingParams(max_tokens=80, temperature=0.7, seed=6,
+                                         structured_outputs=S(json_object=True)))]
+    out = run_engine(sync_engine, reqs)
+    if out["g"].finish_reason == "stop":
+        assert re.fullmatch(r"\(\d+(,\d+)*\)", out["g"].text), out["g"].text
+    else:
+        assert re.fullmatch(r"\(\d+(,\d+)*,?\d*", out["g"].text), out["g"].text
+    if out["o"].finish_reason == "stop":
+        assert isinstance(json.loads(out["o"].text), dict)
+
+
+def test_bad_grammars_are_value_errors_and_the_engine_serves(sync_engine):
+    for spec, field in ((S(json={"type": 5}), "json"), (S(regex="(unclosed"), "regex"),
+                        (S(grammar="root ::= undefined_rule"), "grammar")):
+        with pytest.raises(ValueError, match=f"structured_outputs.{field} does not compile"):
+            sync_engine.add_request("bad", PROMPT, SamplingParams(structured_outputs=spec))
+    with pytest.raises(ValueError, match="structured_outputs"):
+        S(json={"type": "object"}, regex="x")
+    with pytest.raises(ValueError, match="structured_outputs"):
+        S()
+    with pytest.raises(ValueError, match="choice"):
+        S(choice=[])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(structured_outputs=S(json_object=True), ignore_eos=True)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    out = run_engine(sync_engine, [("ok", PROMPT, SamplingParams(
+        max_tokens=30, temperature=0, structured_outputs=S(choice=["a", "b"])))])
+    assert out["ok"].text in ("a", "b")
+
+
+def test_structured_outputs_need_a_tokenizer():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        Engine("tiny").add_request("x", [1, 2], SamplingParams(
+            structured_outputs=S(json_object=True)))
