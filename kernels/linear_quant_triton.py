@@ -21,12 +21,14 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import linear_tiles_triton as tiles
 from . import pdl
 from .linear_triton import _split_sum_kernel
+from .dequant_triton import dequantize
 from .linear_quant import linear_quant_ref
 from .quant import QuantizedWeight
 from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (tests)
@@ -347,6 +349,8 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
 
         return linear_fp8_rows(x, weight, bias)
     if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
+        if supported(x, weight, x.shape[0]):  # many rows: the dense GEMM on a one-pass copy
+            return F.linear(x, dequantize(weight, x.dtype, t), bias)
         return linear_quant_ref(x, weight, bias)
     return _launch(x, weight, bias, config, t)[0]
 

@@ -100,6 +100,9 @@ class QuantLinearTuning:
     # The norm before qkv and gate_up, and silu * mul before down, in the kernel's prologue up
     # to this many rows (as LinearTuning.fuse_max_rows); above, their own kernels run first.
     fuse_max_rows: int = 1
+    # The dense copy's kernel (kernels/dequant_triton.py): a program's tile.
+    dequant_block_n: int = 16
+    dequant_block_k: int = 256
     # fp8 weights from this many rows on run W8A8 on the fp8 tensor cores (activations
     # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off until
     # measured, since it also rounds the activations.

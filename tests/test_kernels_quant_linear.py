@@ -151,3 +151,19 @@ def test_fp8_rows_on_scaled_mm_match_their_reference(m, bias):
     _check(linear_fp8_rows(x, qw, b), linear_fp8_rows_ref(x, qw, b), dtype, "reduction")
     # the activation rounding is real: W8A8 differs from W8A16
     assert not torch.equal(linear_fp8_rows(x, qw), _ref(x, qw))
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_in_one_pass(fmt, dtype):
+    """The dense copy above max_rows rows, against the reference's dequantize (ragged N and
+    K against the tiles)."""
+    from graphexec.kernels.dequant_triton import dequantize
+    from graphexec.kernels.quant import dequantize as dequantize_ref
+
+    qw = _quantize(_randn((37, 384), torch.float32, 13), fmt)
+    # one rounding to dtype either way (the interpreter truncates to bf16 where the GPU
+    # rounds: within _check's elementwise tolerance)
+    _check(dequantize(qw, dtype), dequantize_ref(qw, dtype), dtype)

@@ -99,3 +99,13 @@ def test_quantized_projections_with_programmatic_dependent_launch(compiled, monk
         assert kernel.metadata.launch_pdl
         before = _before_wait(kernel.asm["ptx"])
         assert re.search(r"ld\.global|cp\.async", before), "the first weight tile"
+
+
+def test_dequantize_kernel_compiles(compiled):
+    from graphexec.kernels.dequant_triton import dequantize
+    from graphexec.kernels.quant import quantize_fp8, quantize_int4
+
+    for w in (quantize_fp8(torch.randn(256, 512)), quantize_int4(torch.randn(256, 512)),
+              quantize_int4(torch.randn(256, 512), symmetric=False)):
+        dequantize(w, torch.bfloat16)
+    assert [name for name, _ in compiled] == ["_dequant_kernel"] * 3
