@@ -60,13 +60,15 @@ def test_a_huge_prompt_does_not_stall_health(server, path):
     assert max(probes) < took / 4, (took, max(probes))
 
 
-def test_repeated_sigterm_keeps_one_deadline():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_repeated_sigterm_keeps_one_deadline(replicas):
     """A SIGTERM every half second: the drain and its deadline start at the first one, so the
     open stream ends with [DONE] (aborted at the shutdown timeout with an error event, or done
     before it; never cut by uvicorn's own cap), and the process is gone within the timeout plus
-    2 s."""
+    2 s. With data-parallel replicas, every one drains."""
     timeout = 3.0
-    srv = Server("tiny", "--max-batch", "4", "--shutdown-timeout", str(timeout))
+    srv = Server("tiny", "--max-batch", "4", "--shutdown-timeout", str(timeout),
+                 "--data-parallel-size", str(replicas))
     body = {"model": "tiny", "prompt": [10, 11, 12, 13], "max_tokens": 1500, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
     done = threading.Event()
