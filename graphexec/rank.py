@@ -11,7 +11,7 @@ import torch
 from .config import EngineConfig
 from .kernels import quantized_ops, select_ops
 from .model import KVCache, LlamaModel, ModelConfig, ModelSource, load_model
-from .model.quantize import is_quantized
+from .model.quantize import is_quantized, weight_bytes
 from .model.shard import UNSHARDED, Shard
 from .plan import Variant
 from .runner import ModelRunner
@@ -90,6 +90,15 @@ def _min_over_ranks(n: int, device: torch.device) -> int:
 def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+def memory_figures(model: LlamaModel, kv: KVCache) -> dict[str, int]:
+    """This rank's weight_bytes (what a decode step reads: projections as stored, scales
+    included, the norms and the LM head) and kv_bytes_per_token (K and V of every layer in
+    the cache's dtype), for stats_summary()."""
+    k = kv.k[0] if kv.k else None
+    per_token = 0 if k is None else kv_bytes_per_block(model.config, 1, k.dtype)
+    return dict(weight_bytes=weight_bytes(model.weights), kv_bytes_per_token=per_token)
 
 
 def _num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, max_len: int) -> int:

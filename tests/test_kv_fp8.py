@@ -157,3 +157,25 @@ def test_fp8_cache_under_pauses_and_a_self_draft():
         plain = [o.token_ids for o in llm.generate(PROMPTS, params)]
     with LLM("tiny", speculative=SpeculativeConfig("self:1", 3), **opts) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
+
+
+def test_memory_figures_count_each_format():
+    from graphexec.rank import memory_figures
+
+    sizes = {}
+    for q, kv in [(None, "auto"), ("fp8", "auto"), ("int4", "fp8")]:
+        with LLM("tiny", device="cpu", dtype="bfloat16", num_kv_blocks=8, quantization=q,
+                 kv_cache_dtype=kv) as llm:
+            sizes[q] = memory_figures(llm.engine.model, llm.engine.kv)
+    c = Engine("tiny", device="cpu", num_kv_blocks=8).model_config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim
+    assert sizes[None]["kv_bytes_per_token"] == 2 * per_token  # bf16
+    assert sizes["int4"]["kv_bytes_per_token"] == per_token  # e4m3
+    layers = c.num_layers * c.hidden_size * (c.q_size + 2 * c.kv_size + c.q_size
+                                             + 3 * c.intermediate_size)
+    channels = c.num_layers * (c.q_size + 2 * c.kv_size + 2 * c.hidden_size
+                               + 2 * c.intermediate_size)
+    # fp8 saves a byte per projection weight and adds an fp32 scale per output channel
+    saved = sizes[None]["weight_bytes"] - sizes["fp8"]["weight_bytes"]
+    assert saved == layers - 4 * channels
+    assert sizes["int4"]["weight_bytes"] < sizes["fp8"]["weight_bytes"]
