@@ -268,9 +268,8 @@ class Engine:
         if self._all_rows_may_end_in_flight():
             self.stats.settles += 1
             self._reconcile_until(0, touched)
-        elif (self._grammars is not None and self.in_flight
-              and any(r.grammar is not None for r in self.scheduler.running)):
-            self.stats.grammar_waits += 1  # the next masks follow the tokens in flight
+        elif any(f.plan.variant.grammar for f in self.in_flight):
+            self.stats.grammar_waits += 1  # its grammar rows' next masks need its tokens
             self._reconcile_until(0, touched)
         plan = self.scheduler.schedule(self._step_id)
         if not plan.empty:
