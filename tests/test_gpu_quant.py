@@ -64,6 +64,7 @@ def test_fp8_kv_cache_with_a_self_draft():
 
 
 def test_fp8_kv_cache_doubles_the_blocks_in_the_same_memory():
-    opts = dict(kv_cache_memory=64 << 20, max_model_len=512, cuda_graphs=False)
+    opts = dict(kv_cache_memory=64 << 20, num_kv_blocks=None, max_model_len=512,
+                cuda_graphs=False)
     dense, fp8 = _engine(**opts), _engine(kv_cache_dtype="fp8", **opts)
     assert fp8.pool.num_blocks == 2 * dense.pool.num_blocks

@@ -71,7 +71,7 @@ def test_linear_quant_bias(fmt, split):
 def test_block_k_across_a_group_is_a_value_error():
     from graphexec.kernels import linear_quant_triton as lq
 
-    qw = quantize_int4(torch.randn(16, 128), 32)
+    qw = quantize_int4(torch.randn(16, 128, device=DEV), 32)
     x = torch.randn(1, 128, device=DEV).to(torch.bfloat16)
     with pytest.raises(ValueError, match="group_size=32"):
         lq.linear_quant(x, qw, config=lq.LinearConfig(1, 8, 64))
