@@ -55,6 +55,7 @@ fuzz: install-test
 	$(PYTHON) tools/fuzz_lifecycle.py --machine plain --seeds 0 10
 	$(PYTHON) tools/fuzz_lifecycle.py --machine spec --seeds 0 10
 	$(PYTHON) tools/fuzz_lifecycle.py --machine graph-shaped --seeds 0 10
+	$(PYTHON) tools/fuzz_lifecycle.py --machine constrained --seeds 0 10
 
 bench:
 	$(PYTHON) tools/bench.py all

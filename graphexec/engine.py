@@ -174,12 +174,12 @@ class Engine:
         self.scheduler.add(req)
 
     def _grammar(self, request_id: str, params: SamplingParams):
-        if self.tokenizer is None or self.runner.k:
+        if self._grammars is None and self.tokenizer is not None:
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                    list(self.model_config.eos_token_ids))
+        if self._grammars is None or self.runner.k:
             raise ValueError(f"structured_outputs for {request_id!r} needs a model with a "
                              "tokenizer, and no speculative decoding")
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
-                                      list(self.model_config.eos_token_ids))
         return self._grammars.matcher(params.structured_outputs)
 
     def _validate_prompt(self, request_id: str, prompt) -> list[int]:

@@ -56,20 +56,35 @@ class StructuredOutputsParams:
 
 
 class Grammars:
-    """One engine's compiler (its tokenizer's vocabulary) and the grammars it compiled."""
+    """One engine's compiler (over its vocabulary) and the matchers of its requests."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, info):
+        import xgrammar as xgr
+
+        self.info = info  # xgrammar.TokenizerInfo
+        self.compiler = xgr.GrammarCompiler(info)
+        self.words = (info.vocab_size + 31) // 32  # int32 words of one row's mask
+        self._xgr = xgr
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> "Grammars":
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
         # xgrammar reads the vocabulary and how it is encoded (byte-level, byte fallback)
         # from a transformers tokenizer; ours wraps the same `tokenizers` object.
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok)
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
-                                                       stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(self.info)
-        self.words = (vocab_size + 31) // 32  # int32 words of one row's mask
-        self._xgr = xgr
+        return cls(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                                      stop_token_ids=stop_token_ids))
+
+    @classmethod
+    def for_vocab(cls, vocab: list[str], stop_token_ids: list[int]) -> "Grammars":
+        """Over a plain vocabulary, token i spelling vocab[i] (a model without a tokenizer:
+        the tests' random-weight presets)."""
+        import xgrammar as xgr
+
+        return cls(xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
+                                     stop_token_ids=stop_token_ids))
 
     def matcher(self, params: StructuredOutputsParams) -> "RowGrammar":
         """A matcher at the start of the grammar. A grammar that does not compile is a

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from graphexec import SamplingParams
 from graphexec.request import Status
 from lifecycle_helpers import (check_blocks, check_inert_row, collect, drain, make_engine,
                                pad_like_graphs, random_params)
@@ -259,3 +260,72 @@ def test_state_machine_on_gpu_with_graphs():
     run_state_machine_as_test(AsyncEqualsSyncOnGpu, settings=settings(
         max_examples=15, stateful_step_count=30, deadline=None, database=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow]))
+
+
+# The tiny preset has no tokenizer: constrained rows run over a made-up vocabulary, JSON's
+# characters and then runs of them, EOS spelled as a special token.
+_CHARS = '{}[]:,"-.0123456789abcdefghijklmnopqrstuvwxyz '
+
+
+def _tiny_vocab(size: int, eos: list[int]) -> list[str]:
+    vocab = [_CHARS[i % len(_CHARS)] * (1 + i // len(_CHARS)) for i in range(size)]
+    for t in eos:
+        vocab[t] = f"<eos{t}>"
+    return vocab
+
+
+def _grammar_specs():
+    from graphexec.structured import StructuredOutputsParams as S
+    return [S(regex="[a-c]{1,6}-[0-9]{2}"), S(choice=["abc", "de", "fghij"]),
+            S(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                    "required": ["a"]}), S(json_object=True)]
+
+
+class ConstrainedAsyncEqualsSync(AsyncEqualsSync):
+    """The plain program with grammar rows (structured outputs) among penalised and plain ones,
+    under the same aborts, pauses and evictions: async equals sync, and every output, cut or
+    whole, is a sentence of its grammar's prefix language (a fresh matcher accepts each token,
+    EOS included, which it accepts only where the grammar may end)."""
+
+    def __init__(self):
+        super().__init__()
+        from graphexec.structured import Grammars
+
+        for e in (self.sync, self.asyn):
+            eos = list(e.model_config.eos_token_ids)
+            e._grammars = Grammars.for_vocab(_tiny_vocab(e.model_config.vocab_size, eos), eos)
+        self.constrained: dict[str, object] = {}
+
+    @rule(prompt_len=st.integers(1, 200), max_tokens=st.integers(1, 48),
+          which=st.integers(0, 3), seed=st.integers(0, 2**16))
+    def add_constrained(self, prompt_len, max_tokens, which, seed):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(2, 512) for _ in range(prompt_len)]
+        spec = _grammar_specs()[which]
+        self.constrained[f"r{self.count}"] = spec
+        self._submit(prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=rng.choice([0.0, 0.9]), seed=seed,
+            structured_outputs=spec, presence_penalty=rng.choice([0.0, 1.0])))
+
+    def teardown(self):
+        super().teardown()
+        grammars = self.sync._grammars
+        for rid, spec in self.constrained.items():
+            matcher = grammars.matcher(spec)
+            for t in self.out_sync[rid].token_ids:
+                matcher.accept(t)
+            assert matcher.rejected == 0, (rid, self.out_sync[rid].token_ids)
+            key = f"constrained_{self.out_sync[rid].finish_reason}"
+            TALLY[key] = TALLY.get(key, 0) + 1
+
+
+def test_constrained_rows_async_equals_sync_under_pressure():
+    pytest.importorskip("xgrammar")
+    TALLY.clear()
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(ConstrainedAsyncEqualsSync, settings=settings(
+        max_examples=8, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert TALLY.get("constrained_stop", 0) > 0 and TALLY.get("constrained_length", 0) > 0, TALLY
+    assert TALLY.get("async_pauses", 0) + TALLY.get("async_evictions", 0) > 0, TALLY

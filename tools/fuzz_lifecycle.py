@@ -21,7 +21,9 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     # graph-shaped: chunked prefill, the async engine's mixed steps padded as CUDA graphs run them
-    ap.add_argument("--machine", choices=["plain", "spec", "graph-shaped"], default="plain")
+    # constrained: grammar rows (structured outputs) among penalised and plain ones
+    ap.add_argument("--machine", choices=["plain", "spec", "graph-shaped", "constrained"],
+                    default="plain")
     ap.add_argument("--seeds", type=int, nargs=2, default=[0, 10], metavar=("FIRST", "END"))
     ap.add_argument("--examples", type=int, default=20)
     ap.add_argument("--shrink", action="store_true", help="shrink failures (slow)")
@@ -30,6 +32,8 @@ def main() -> int:
         from test_spec import AsyncEqualsSyncSpeculative as machine
     elif args.machine == "graph-shaped":
         from test_lifecycle_state_machine import GraphShapedAsyncEqualsWholeSync as machine
+    elif args.machine == "constrained":
+        from test_lifecycle_state_machine import ConstrainedAsyncEqualsSync as machine
     else:
         from test_lifecycle_state_machine import AsyncEqualsSync as machine
     phases = [Phase.generate, Phase.shrink] if args.shrink else [Phase.generate]
