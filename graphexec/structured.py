@@ -55,11 +55,19 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
 
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # a request's error, not the engine's
+        raise ValueError(f"structured_outputs needs xgrammar (make install): {e}") from None
+    return xgrammar
+
+
 class Grammars:
     """One engine's compiler (over its vocabulary) and the matchers of its requests."""
 
     def __init__(self, info):
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         self.info = info  # xgrammar.TokenizerInfo
         self.compiler = xgr.GrammarCompiler(info)
@@ -68,7 +76,7 @@ class Grammars:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> "Grammars":
-        import xgrammar as xgr
+        xgr = _xgrammar()
         from transformers import PreTrainedTokenizerFast
 
         # xgrammar reads the vocabulary and how it is encoded (byte-level, byte fallback)
@@ -81,7 +89,7 @@ class Grammars:
     def for_vocab(cls, vocab: list[str], stop_token_ids: list[int]) -> "Grammars":
         """Over a plain vocabulary, token i spelling vocab[i] (a model without a tokenizer:
         the tests' random-weight presets)."""
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         return cls(xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
                                      stop_token_ids=stop_token_ids))
