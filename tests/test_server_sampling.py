@@ -173,3 +173,63 @@ def test_bad_structured_outputs_are_400(client, change, param):
                                        max_tokens=5, **change)
     assert e.value.body["param"] == param, e.value.body
     assert "cmpl-" not in e.value.body["message"], e.value.body
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+            "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call) -> None:
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+
+
+def test_tool_choice_required_and_named(client):
+    pytest.importorskip("xgrammar")
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                         tool_choice="required", max_tokens=80, temperature=0)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    _check_call(c.message.tool_calls[0])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                         tool_choice=named, max_tokens=80, temperature=0)
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time"
+    _check_call(call)
+    # streamed: the named call's id and name first, then its arguments as deltas
+    for choice in ("required", named):
+        chunks = [ch for ch in client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80,
+            temperature=0, stream=True) if ch.choices]
+        parts = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert parts and parts[0].id and parts[0].function.name
+        args = "".join(p.function.arguments or "" for p in parts)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        _check_call(type(parts[0])(index=0, id=parts[0].id, type="function", function={
+            "name": parts[0].function.name, "arguments": args}))
+
+
+@pytest.mark.parametrize("change,param", [
+    ({"tools": TOOLS}, "tool_choice"),  # "auto", the default: no parser yet
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+])
+def test_bad_tools_are_400(client, change, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **change)
+    assert e.value.body["param"] == param, e.value.body

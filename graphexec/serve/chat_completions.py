@@ -15,6 +15,7 @@ from .protocol import ChatCompletionRequest
 from .render import (Choice, TokenText, aborted_error, collect, created, new_id,
                      prompt_logprobs_json, prompt_tokens_of, sse_body, usage)
 from .state import ServerState
+from .tools import ToolMode, new_call, tool_mode
 
 router = APIRouter()
 
@@ -40,6 +41,7 @@ async def create_chat_completion(
         gen.abort()
         raise
     fmt = _Logprobs(TokenText(info.tokenizer)) if body.logprobs else None
+    tools = tool_mode(body.tools, body.tool_choice)
     if body.stream:
         head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created(),
                 "model": state.config.served_model_name}
@@ -47,7 +49,7 @@ async def create_chat_completion(
         totals = [0] * len(jobs)
         usage_chunk = (lambda: {**head, "choices": [], "usage": usage(
             prompt_tokens_of(gen, body.n), sum(totals))}) if include_usage else None
-        chunks = _chunks(gen, head, fmt, body.return_token_ids, totals)
+        chunks = _chunks(gen, head, fmt, body.return_token_ids, totals, tools)
         return GenerationStream(gen, sse_body(gen, chunks, usage_chunk))
     try:
         choices = await until_disconnect(request, collect(gen))
@@ -62,24 +64,34 @@ async def create_chat_completion(
     return JSONResponse({
         "id": gen.request_id, "object": "chat.completion", "created": created(),
         "model": state.config.served_model_name,
-        "choices": [_choice(i, c, fmt, body.return_token_ids) for i, c in enumerate(choices)],
+        "choices": [_choice(i, c, fmt, body.return_token_ids, tools)
+                    for i, c in enumerate(choices)],
         "usage": usage(prompt_tokens_of(gen, body.n), sum(len(c.token_ids) for c in choices)),
         **extra})
 
 
-def _choice(index: int, c: Choice, fmt: "_Logprobs | None", return_ids: bool) -> dict:
-    out = {"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
-           "logprobs": fmt.of(c.logprobs) if fmt else None, "finish_reason": c.finish_reason}
+def _choice(index: int, c: Choice, fmt: "_Logprobs | None", return_ids: bool,
+            tools: ToolMode | None) -> dict:
+    text = "".join(c.text)
+    message = {"role": "assistant", "content": text}
+    finish = c.finish_reason
+    calls = tools.calls(text) if tools is not None and finish == "stop" else None
+    if calls is not None:
+        message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    out = {"index": index, "message": message,
+           "logprobs": fmt.of(c.logprobs) if fmt else None, "finish_reason": finish}
     if return_ids:
         out["token_ids"] = c.token_ids
     return out
 
 
 async def _chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_ids: bool,
-                  totals: list[int]) -> AsyncIterator[dict]:
+                  totals: list[int], tools: ToolMode | None = None) -> AsyncIterator[dict]:
     # The role comes first, once per choice, as OpenAI streams it.
+    calls = _StreamedCalls(tools, len(gen.jobs)) if tools is not None else None
     for i in range(len(gen.jobs)):
-        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+        delta = {"role": "assistant", "content": ""} if calls is None else calls.first(i)
+        yield {**head, "choices": [{"index": i, "delta": delta,
                                     "logprobs": None, "finish_reason": None}]}
     async for d in gen.deltas():
         if d.finish_reason == "abort":
@@ -87,12 +99,42 @@ async def _chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_i
         totals[d.index] = d.num_tokens
         if not (d.text or d.finish_reason or (d.token_ids and (fmt or return_ids))):
             continue
-        choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+        delta = {"content": d.text} if d.text else {}
+        finish = d.finish_reason
+        if calls is not None:
+            delta, finish = calls.delta(d.index, d.text, finish)
+        choice = {"index": d.index, "delta": delta,
                   "logprobs": fmt.of(d.logprobs or []) if fmt else None,
-                  "finish_reason": d.finish_reason}
+                  "finish_reason": finish}
         if return_ids:
             choice["token_ids"] = d.token_ids
         yield {**head, "choices": [choice]}
+
+
+class _StreamedCalls:
+    """tool_calls as stream deltas: a named function's id and name first, then its arguments
+    as they come; with "required", the whole call once complete (its name is inside it)."""
+
+    def __init__(self, tools: ToolMode, num_choices: int):
+        self.tools = tools
+        self.text = [""] * num_choices
+
+    def first(self, index: int) -> dict:
+        if self.tools.named is None:
+            return {"role": "assistant", "content": None}
+        call = {**new_call(self.tools.named, ""), "index": 0}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    def delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        self.text[index] += text
+        finish = "tool_calls" if finish == "stop" else finish
+        if self.tools.named is not None:
+            return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text
+                    else {}), finish
+        calls = self.tools.calls(self.text[index]) if finish == "tool_calls" else None
+        if calls is None:
+            return {}, finish
+        return {"tool_calls": [{**c, "index": j} for j, c in enumerate(calls)]}, finish
 
 
 class _Logprobs:

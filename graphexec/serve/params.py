@@ -16,6 +16,7 @@ from .errors import APIError, invalid
 from .model_info import ModelInfo
 from .prompts import check_unicode
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .tools import tool_mode
 
 MAX_N = 16  # choices per request: each is a whole request in the engine
 
@@ -56,8 +57,6 @@ def check_common(req: SamplingFields) -> None:
         if req.best_of not in (None, req.n):
             raise _unsupported("best_of", "best_of other than n")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise _unsupported("tools", "tool calling")
         if _response_format(req) and req.structured_outputs:
             raise invalid("response_format and structured_outputs: send one of them",
                           "response_format")
@@ -148,8 +147,16 @@ def _response_format(req: SamplingFields) -> dict | None:
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
     {"schema": ...}}) or the structured_outputs extension, as StructuredOutputsParams. Its
-    ValueErrors start with structured_outputs (mapped back to the field the client sent)."""
+    ValueErrors start with structured_outputs (mapped back to the field the client sent).
+    Tools with tool_choice "required" or a named function constrain the output to the call."""
     rf = _response_format(req)
+    mode = tool_mode(req.tools, req.tool_choice) if isinstance(req, ChatCompletionRequest) \
+        else None
+    if mode is not None:
+        if rf is not None or req.structured_outputs is not None:
+            raise ValueError("structured_outputs: a tool call's output follows its schema; "
+                             "send no response_format or structured_outputs with tool_choice")
+        return mode.structured()
     if rf is not None:
         kind = rf.get("type")
         if kind == "json_object":

@@ -88,7 +88,10 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
     for i, m in enumerate(messages):
         check_unicode(m, f"messages[{i}]")
     try:
-        return encode_chat(info.tokenizer, messages, req.add_generation_prompt)
+        # templates that know tools render them (Llama 3.1+, Qwen2.5+, Hermes-style)
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        return encode_chat(info.tokenizer, messages, req.add_generation_prompt,
+                           **({"tools": tools} if tools else {}))
     except ValueError as e:  # no template, or the template refused the conversation
         raise invalid(f"messages: {e}", "messages") from None
 

@@ -85,5 +85,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # "none", "auto", "required" or a named function
     response_format: dict | None = None
     add_generation_prompt: bool = True  # extension: render the assistant turn's header
