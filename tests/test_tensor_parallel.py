@@ -361,3 +361,19 @@ def test_the_all_reduce_kind_rank_0_picks(monkeypatch):
     with pytest.raises(ValueError, match="at most 8 ranks, got tensor_parallel_size=16"):
         symmetric.check(16)
     symmetric.check(8)
+
+
+def test_penalised_rows_at_size_2_equal_size_1():
+    """Every rank keeps the same penalty slots (the same deltas assign them) and applies them
+    to the same gathered logits."""
+    def program(engine, step):
+        for i in range(5):
+            engine.add_request(f"p{i}", [9 + 7 * i, 4, 200 - i] * (i + 1), SamplingParams(
+                max_tokens=12, temperature=0.8 * (i % 2), seed=i, ignore_eos=True,
+                presence_penalty=0.8, frequency_penalty=0.4 * i, repetition_penalty=1.3,
+                min_p=0.05 * (i % 3), logit_bias={30 + i: 4.0}))
+            step(i % 2)
+
+    want, _ = run(1, program)
+    got, _ = run(2, program, async_scheduling=True)
+    assert_same_outputs(got, want)
