@@ -31,6 +31,7 @@ from .outputs import RequestOutput, TokenLogprob  # noqa: E402
 from .parallel import TensorParallelError  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
 from .spec import SpeculativeConfig  # noqa: E402
+from .structured import StructuredOutputsParams  # noqa: E402
 
 __all__ = ["Engine", "LLM", "RequestOutput", "SamplingParams", "SpeculativeConfig",
-           "TensorParallelError", "TokenLogprob"]
+           "StructuredOutputsParams", "TensorParallelError", "TokenLogprob"]
