@@ -233,3 +233,20 @@ def test_bad_tools_are_400(client, change, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **change)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_streamed_required_call_is_held_until_complete():
+    """With "required" the call's name is inside its JSON: nothing goes out until the output is
+    complete, and an output cut by max_tokens goes out as text."""
+    from graphexec.serve.chat_completions import _StreamedCalls
+    from graphexec.serve.tools import tool_mode
+
+    mode = tool_mode(TOOLS, "required")
+    s = _StreamedCalls(mode, 2)
+    assert s.delta(0, '{"name": "get_time", ', None) == ({}, None)
+    delta, finish = s.delta(0, '"arguments": {"zone": "UTC"}}', "stop")
+    assert finish == "tool_calls"
+    assert delta["tool_calls"][0]["function"] == {"name": "get_time",
+                                                  "arguments": '{"zone": "UTC"}'}
+    assert s.delta(1, '{"name": "get_ti', "length") == ({"content": '{"name": "get_ti'},
+                                                        "length")

@@ -132,8 +132,8 @@ class _StreamedCalls:
             return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text
                     else {}), finish
         calls = self.tools.calls(self.text[index]) if finish == "tool_calls" else None
-        if calls is None:
-            return {}, finish
+        if calls is None:  # held back until complete; cut short, it goes out as text
+            return ({"content": self.text[index]} if finish else {}), finish
         return {"tool_calls": [{**c, "index": j} for j, c in enumerate(calls)]}, finish
 
 
