@@ -25,7 +25,7 @@ from .outputs import RequestOutput, TokenLogprob
 from .parallel import build_ranks
 from .plan import Plan
 from .request import Request, Status
-from .rank import resolve_max_model_len
+from .rank import memory_figures, resolve_max_model_len
 from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
@@ -74,6 +74,9 @@ class Engine:
         # the other shards run every launch of self.runner too (graphexec/parallel/).
         rank, self.workers = build_ranks(cfg, source, mc, max_len)
         self.kv, self.model, self.runner = rank.kv, rank.model, rank.runner
+        # weight_bytes and kv_bytes_per_token for stats_summary(), which the server reads
+        # every iteration: counted once here.
+        self._memory_figures = memory_figures(self.model, self.kv)
         self.pool = BlockPool(rank.num_blocks, enable_caching=cfg.enable_prefix_caching)
         k = self.runner.k
         self.scheduler = Scheduler(self.pool, cfg, spec_tokens=k)
@@ -251,7 +254,8 @@ class Engine:
                     paused=len(self.scheduler.paused), kv_used=self.pool.num_used,
                     kv_total=self.pool.num_blocks, pauses=sc.pauses, evictions=sc.evictions,
                     admitted=sc.admitted, prefix_query_tokens=sc.prefix_query_tokens,
-                    prefix_hit_tokens=sc.prefix_hit_tokens, cached_blocks=self.pool.num_cached)
+                    prefix_hit_tokens=sc.prefix_hit_tokens, cached_blocks=self.pool.num_cached,
+                    **self._memory_figures)
 
     def has_unfinished(self) -> bool:
         if self._closed:

@@ -179,3 +179,18 @@ def test_memory_figures_count_each_format():
     saved = sizes[None]["weight_bytes"] - sizes["fp8"]["weight_bytes"]
     assert saved == layers - 4 * channels
     assert sizes["int4"]["weight_bytes"] < sizes["fp8"]["weight_bytes"]
+
+
+def test_stats_summary_reports_the_bytes_of_each_format():
+    """kv_bytes_per_token from the preset's shapes (K and V, every layer, each element's
+    bytes); weight_bytes smaller once the projections are stored in fp8."""
+    from graphexec import Engine
+    from graphexec.model import preset
+
+    mc = preset("tiny")
+    per_elem_tokens = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    dense = Engine("tiny", device="cpu").stats_summary()
+    fp8 = Engine("tiny", device="cpu", quantization="fp8", kv_cache_dtype="fp8").stats_summary()
+    assert dense["kv_bytes_per_token"] == per_elem_tokens * 4  # fp32 on the CPU
+    assert fp8["kv_bytes_per_token"] == per_elem_tokens
+    assert fp8["weight_bytes"] < dense["weight_bytes"]
