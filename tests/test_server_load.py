@@ -13,12 +13,13 @@ from test_server import MODEL, Server
 
 httpx = pytest.importorskip("httpx")
 
-PROMPT_BYTES = 3_000_000  # seconds of tokenising on the CPU, far past the context
+CONTEXT = 8192  # a long context: a prompt of a megabyte is within reach, and so tokenised
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(MODEL, "--max-batch", "4", "--max-model-len", "512")
+    srv = Server(MODEL, "--max-batch", "4", "--max-model-len", str(CONTEXT),
+                 "--num-kv-blocks", str(CONTEXT // 16 + 8))
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -34,13 +35,19 @@ def _health_while(url: str, busy: threading.Event) -> list[float]:
     return latencies
 
 
+def _body(path: str, text: str) -> dict:
+    return ({"model": MODEL, "prompt": text} if path == "/v1/completions" else
+            {"model": MODEL, "messages": [{"role": "user", "content": text}]})
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_huge_prompt_does_not_stall_health(server, path):
+    """A prompt near the most characters the context could take is tokenised (seconds, in a
+    worker thread) before it is refused; /health keeps answering throughout."""
     if MODEL == "tiny":
         pytest.skip("needs a model with a tokenizer")
-    text = "hello world, this is a prompt. " * (PROMPT_BYTES // 31)
-    body = ({"model": MODEL, "prompt": text} if path == "/v1/completions" else
-            {"model": MODEL, "messages": [{"role": "user", "content": text}]})
+    longest = 81  # SmolLM2's longest vocabulary entry, in characters
+    text = "hello world, this is a prompt. " * (2 * longest * CONTEXT // 31 - 100)
     busy = threading.Event()
     busy.set()
     probes: list[float] = []
@@ -48,16 +55,27 @@ def test_a_huge_prompt_does_not_stall_health(server, path):
     t = time.perf_counter()
     prober.start()
     try:
-        r = httpx.post(server.url + path, json=body, timeout=120)
+        r = httpx.post(server.url + path, json=_body(path, text), timeout=120)
         took = time.perf_counter() - t
     finally:
         busy.clear()
         prober.join()
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "tokens long" in err["message"], err
     # The refusal takes the whole tokenising time; /health keeps answering throughout it.
     assert len(probes) >= 3, (took, probes)
     assert max(probes) < took / 4, (took, max(probes))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_far_past_the_context_is_refused_untokenised(server, path):
+    text = "hello world, this is a prompt. " * (5_000_000 // 31)
+    r = httpx.post(server.url + path, json=_body(path, text), timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded", err
+    assert "characters long" in err["message"] and err["param"] in ("prompt", "messages"), err
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -7,7 +7,6 @@ thread; the interpreter's switch interval then hands the loop the GIL every few 
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import TypeVar
 
@@ -16,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from . import offload
 from .errors import APIError
 
 # Below this a thread's hand-off costs more than the parse it would move.
@@ -59,6 +59,6 @@ def json_body(model: type[Model]):
                            status=499, code="client_closed") from None
         if len(raw) < OFF_LOOP_BYTES:
             return parse(model, raw)
-        return await asyncio.to_thread(parse, model, raw)
+        return await offload.run(parse, model, raw)
 
     return Depends(read)

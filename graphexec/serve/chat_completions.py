@@ -1,12 +1,12 @@
 """POST /v1/chat/completions: the conversation rendered with the model's chat template."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from . import offload
 from .body import json_body
 from .generation import ClientGone, Generation, GenerationStream, Job, until_disconnect
 from .params import chat_fields, check_common, sampling_params
@@ -31,7 +31,7 @@ async def create_chat_completion(
     names = chat_fields(body)
     state.check_fits_queue(1, body.n)
     # Template rendering and tokenising scale with the conversation: off the event loop.
-    prompt = await asyncio.to_thread(chat_prompt, body, info)
+    prompt = await offload.run(chat_prompt, body, info)
     jobs = [Job(prompt, sampling_params(body, names, len(prompt), info, i))
             for i in range(body.n)]
     gen = Generation(state, new_id("chatcmpl"), jobs, names)

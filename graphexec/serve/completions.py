@@ -1,12 +1,12 @@
 """POST /v1/completions: a prompt (text or token ids, or a batch of either), n choices each."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from . import offload
 from .body import json_body
 from .generation import ClientGone, Generation, GenerationStream, Job, until_disconnect
 from .params import COMPLETION_FIELDS, check_common, sampling_params
@@ -28,7 +28,7 @@ async def create_completion(
     info = state.model_info()
     # Tokenising takes seconds for a prompt of megabytes: a worker thread keeps the event
     # loop (other streams, /health) going meanwhile.
-    prompts = await asyncio.to_thread(completion_prompts, body.prompt, info)
+    prompts = await offload.run(completion_prompts, body.prompt, info)
     state.check_fits_queue(len(prompts), body.n)
     jobs = [Job(p, sampling_params(body, COMPLETION_FIELDS, len(p), info, i))
             for p in prompts for i in range(body.n)]

@@ -19,6 +19,9 @@ class ModelInfo:
     kv_blocks: int
     block_size: int  # tokens per KV block (data-parallel routing keys prompts by blocks)
     tokenizer: object | None
+    # The tokenizer's longest vocabulary entry, in characters (None without a tokenizer): a
+    # prompt far past the context in characters is refused without being tokenised.
+    max_token_chars: int | None = None
 
     @classmethod
     def of(cls, engine) -> "ModelInfo":
@@ -27,4 +30,6 @@ class ModelInfo:
                    vocab_size=engine.model_config.vocab_size,
                    kv_capacity_tokens=blocks * engine.config.block_size - engine.runner.k,
                    kv_blocks=blocks, block_size=engine.config.block_size,
-                   tokenizer=engine.tokenizer)
+                   tokenizer=engine.tokenizer,
+                   max_token_chars=(engine.tokenizer.max_token_chars
+                                    if engine.tokenizer is not None else None))

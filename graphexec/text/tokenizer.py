@@ -2,6 +2,8 @@
 tokenizer_config.json), or rebuilt from a GGUF file's tokenizer.ggml.* metadata."""
 from __future__ import annotations
 
+import functools
+
 import os
 import warnings
 from collections.abc import Iterable
@@ -43,6 +45,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters (a byte-level entry has one per byte):
+        a text of n characters is at least n / max_token_chars tokens long."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in the text (`<|im_start|>`) become their ids either way;
