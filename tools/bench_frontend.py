@@ -13,6 +13,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import socket
 import sys
 import time
 from types import SimpleNamespace
@@ -130,8 +131,8 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=8)
     ap.add_argument("--profile", default=None, help="write the server's cProfile here")
     args = ap.parse_args()
-    import httpx
-    import socket
+    import httpx  # the client side only: the server process imports its own
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,8 +163,8 @@ def main() -> None:
     wall = time.perf_counter() - t
     for c in clients:
         c.join()
-    engine_rate = args.replicas * min(args.streams, args.max_batch * args.replicas) / (
-        args.replicas * args.step_ms / 1e3)
+    # every engine steps each step_ms, each step one token for up to max_batch of its streams
+    engine_rate = min(args.streams, args.max_batch * args.replicas) / (args.step_ms / 1e3)
     print(f"{args.streams} streams x {args.tokens} tokens over {args.replicas} paced "
           f"engine(s) at {args.step_ms:g} ms a step: {total} tokens in {wall:.2f} s = "
           f"{total / wall:,.0f} tokens/s through the server (the engines alone: "
