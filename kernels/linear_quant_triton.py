@@ -83,16 +83,30 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
-             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
-    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load, each spread to its eight
-    values (value j at bits 4j): k = word * 8 + j, the order of the reshape."""
+def _w4_words(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
+    """The tile's packed words [BLOCK_N, BLOCK_K / 8] in one vector load, each spread to its
+    eight unsigned nibbles [BLOCK_N, BLOCK_K / 8, 8] (value j at bits 4j: k = word * 8 + j)."""
     wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
                            BLOCK_K // 8)
     words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
                     other=0)
-    u = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    return (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, wk
+
+
+@triton.jit
+def _as_float(u, offset):
+    """u - offset in fp32 for nibbles u and integer offsets below 2**23, without an
+    int-to-float conversion (a quarter-rate instruction): 2**23 + u is u's bits under the
+    exponent of 2**23, and subtracting 2**23 + offset is exact."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset.to(tl.float32))
+
+
+@triton.jit
+def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tensor-core tiles: (the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group
+    scale [BLOCK_N]); BLOCK_K divides GROUP."""
+    u, wk = _w4_words(w_rows, k0, k_hi, n_ok, BLOCK_K)
     u = tl.reshape(u, [BLOCK_N, BLOCK_K])
     g = k0 // GROUP
     scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
@@ -100,7 +114,37 @@ def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
         offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
     else:
         offset = tl.full([BLOCK_N], 8, tl.int32)
-    return (u - offset[:, None]).to(tl.float32), scale
+    return _as_float(u, offset[:, None]), scale
+
+
+@triton.jit
+def _w4_row_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row: (the codes q - zero [BLOCK_N, BLOCK_K / 8, 8] in fp32, each word's group scale
+    [BLOCK_N, BLOCK_K / 8]). Kept three-dimensional (the input is reshaped instead, a far
+    smaller tile), and a tile may span several groups, so its loads can be wide."""
+    u, wk = _w4_words(w_rows, k0, k_hi, n_ok, BLOCK_K)
+    g = (wk * 8) // GROUP
+    ok = n_ok[:, None] & (wk < k_hi // 8)[None, :]
+    scale = tl.load(s_rows[:, None] + g[None, :], mask=ok, other=0.0)
+    if HAS_ZERO:
+        offset = 8 + tl.load(z_rows[:, None] + g[None, :], mask=ok, other=0).to(tl.int32)
+    else:
+        offset = tl.full(scale.shape, 8, tl.int32)
+    return _as_float(u, offset[:, :, None]), scale
+
+
+@triton.jit
+def _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+             HAS_ZERO: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    if DOT:
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+                                BLOCK_N, BLOCK_K)
+    else:
+        codes, scale = _w4_row_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+                                    BLOCK_K)
+    return codes, scale
 
 
 @triton.jit
@@ -116,6 +160,9 @@ def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
         if SCALED:
             p = p * scale[None, :]
+    elif len(w.shape) == 3:  # one row of int4 (_w4_row_tile): per word, then its scale
+        xw = tl.reshape(x.to(tl.float32), [w.shape[1], w.shape[2]])
+        p = tl.sum(w * xw[None, :, :], axis=2) * scale
     else:
         xs = x.to(tl.float32)
         if SCALED:
@@ -136,6 +183,8 @@ def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype:
 
 @triton.jit
 def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row: partial sums [BLOCK_N, BLOCK_K] (int4: per word, BLOCK_K is then the words a
+    tile), reduced once after the loop; tensor-core tiles: [BLOCK_M, BLOCK_N]."""
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -226,7 +275,8 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
     and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale.
-    BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
+    Tensor-core tiles: BLOCK_K divides GROUP, so a tile's columns share one scale per output
+    column; one row (_w4_row_tile) scales each word's sum instead, any BLOCK_K. KW = K / 8,
     the words a row, passed so that Triton sees its alignment (vector loads). x goes through
     the prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -236,12 +286,12 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
     s_rows = s_ptr + rn.to(tl.int64) * (K // GROUP)
     z_rows = z_ptr + rn.to(tl.int64) * (K // GROUP)
-    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K if DOT else BLOCK_K // 8)
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
-                                  BLOCK_N, BLOCK_K)
+        codes0, scale0 = _w4_load(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
+                                  DOT, BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
@@ -251,7 +301,7 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                     HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+        codes, scale = _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO, DOT,
                                 BLOCK_N, BLOCK_K)
         acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
                     GATED, DOT, UPCAST, True, BLOCK_K)
@@ -265,7 +315,7 @@ def pick_config(m: int, n: int, k: int, block_k_max: int,
     """(the tile config, the K split) for m rows of an [n, k] weight; block_k at most
     block_k_max (an int4 group)."""
     cfg = t.one_row if m == 1 else (t.few_rows if m <= t.few_rows_max else t.many_rows)
-    block_k = min(cfg.block_k, block_k_max)
+    block_k = cfg.block_k if cfg.block_m == 1 else min(cfg.block_k, block_k_max)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     split = 1
     while programs * split < t.split_programs and k // (split * 2) >= 2 * block_k:
@@ -301,9 +351,9 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
         config, split = pick_config(m, n, k, group, t)
     else:
         split = config.split_k
-        if weight.format == "int4" and group % config.block_k:
+        if weight.format == "int4" and config.block_m > 1 and group % config.block_k:
             raise ValueError(f"config.block_k={config.block_k} must divide the int4 "
-                             f"group_size={group}")
+                             f"group_size={group} for tensor-core tiles (block_m > 1)")
     bk = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)

@@ -12,8 +12,10 @@ SHAPES = big([(1, 4096, 4096), (1, 4096, 14336), (7, 6144, 4096), (16, 28672, 40
               (64, 4096, 14336), (33, 1000, 896)],
              [(1, 40, 256), (3, 37, 128), (17, 24, 256)])
 # (block_m, block_n, block_k, split): None = the tuning table's pick
-CONFIGS = big([None, (1, 8, 128, 4), (16, 32, 64, 1), (64, 64, 128, 2)],
-              [None, (1, 8, 32, 2), (16, 16, 32, 1), (64, 16, 64, 2)])
+# One-row int4 tiles may span several groups (block_k 512 or 256 over groups of 128 or 32);
+# tensor-core tiles are cut to the group.
+CONFIGS = big([None, (1, 8, 128, 4), (1, 16, 512, 2), (16, 32, 64, 1), (64, 64, 128, 2)],
+              [None, (1, 8, 32, 2), (1, 8, 256, 1), (16, 16, 32, 1), (64, 16, 64, 2)])
 FORMATS = ["fp8", "int4", "int4_asym", "int4_g32"]
 
 
@@ -44,8 +46,8 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
     x = _randn((m, k + 8), dtype, 1)[:, 4:k + 4]  # rows strided wider than K
     qw = _quantize(_randn((n, k), torch.float32, 2, k ** -0.5), fmt)
     group = qw.group_size or k
-    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], group), split_k=config[3])
-           if config else None)
+    bk = config[2] if config and config[0] == 1 else min(config[2] if config else 0, group)
+    cfg = lq.LinearConfig(config[0], config[1], bk, split_k=config[3]) if config else None
     out = lq.linear_quant(x, qw, config=cfg)
     assert not torch.equal(out.float(), torch.zeros_like(out.float()))
     _check(out, _ref(x, qw), dtype, "reduction")
@@ -74,7 +76,7 @@ def test_block_k_across_a_group_is_a_value_error():
     qw = quantize_int4(torch.randn(16, 128, device=DEV), 32)
     x = torch.randn(1, 128, device=DEV).to(torch.bfloat16)
     with pytest.raises(ValueError, match="group_size=32"):
-        lq.linear_quant(x, qw, config=lq.LinearConfig(1, 8, 64))
+        lq.linear_quant(x, qw, config=lq.LinearConfig(16, 16, 64))
 
 
 @kernel_test

@@ -37,17 +37,21 @@ FORMATS = {"fp8": quantize_fp8, "int4": lambda w: quantize_int4(w, 128),
 
 
 def candidates(m: int, group: int | None) -> list[LinearConfig]:
-    """Tiles to try; an int4 tile's block_k at most its group."""
-    out = []
-    block_ms = [1] if m == 1 else ([16] if m <= 16 else [16, 64])
-    for bm, bn, bk, split, stages in itertools.product(block_ms, [8, 16, 32, 64],
-                                                       [64, 128, 256, 512], [1, 2, 4],
-                                                       [3, 4]):
-        if ((group and bk > group) or (bm == 64 and bk > 128) or (bm == 1 and bn > 32)
-                or (bm > 1 and bn < 16)):
-            continue
-        out.append(LinearConfig(bm, bn, bk, split, num_stages=stages))
-    return out
+    """Tiles to try: one row on CUDA cores (an int4 tile may span groups) or padded to a
+    16-row tensor-core tile; more rows on tensor-core tiles, whose int4 block_k is at most the
+    group."""
+    def grid(bms, bns, bks, splits, stages, warps):
+        for bm, bn, bk, split, st, w in itertools.product(bms, bns, bks, splits, stages, warps):
+            if bm > 1 and group and bk > group:
+                continue
+            yield LinearConfig(bm, bn, bk, split, num_warps=w, num_stages=st)
+
+    if m == 1:
+        return [*grid([1], [4, 8, 16, 32], [256, 512, 1024, 2048], [1, 2, 4], [3], [4, 8]),
+                *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
+    if m <= 16:
+        return list(grid([16], [16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [3, 4], [4]))
+    return list(grid([64], [32, 64, 128], [64, 128], [1, 2], [3, 4], [4, 8]))
 
 
 def main() -> None:
