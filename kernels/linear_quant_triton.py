@@ -36,6 +36,8 @@ from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (test
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TUNING = DEFAULT.quant_linear
+# An int4 tensor-core tile dots eight slices of BLOCK_K / 8 columns; a bf16 dot is >= 16 deep.
+INT4_DOT_MIN_K = 128
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -83,14 +85,22 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_words(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
-    """The tile's packed words [BLOCK_N, BLOCK_K / 8] in one vector load, each spread to its
-    eight unsigned nibbles [BLOCK_N, BLOCK_K / 8, 8] (value j at bits 4j: k = word * 8 + j)."""
+def _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the tile's packed words [BLOCK_N, BLOCK_K / 8] in one vector load, and each word's
+    group scale and offset 8 + zero, same shape): a tile may span groups, so its loads can be
+    wide whatever the group size."""
     wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
                            BLOCK_K // 8)
-    words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
-                    other=0)
-    return (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, wk
+    ok = n_ok[:, None] & (wk < k_hi // 8)[None, :]
+    words = tl.load(w_rows + wk[None, :], mask=ok, other=0)
+    g = (wk * 8) // GROUP
+    scale = tl.load(s_rows[:, None] + g[None, :], mask=ok, other=0.0)
+    if HAS_ZERO:
+        offset = 8 + tl.load(z_rows[:, None] + g[None, :], mask=ok, other=0).to(tl.int32)
+    else:
+        offset = tl.full([BLOCK_N, BLOCK_K // 8], 8, tl.int32)
+    return words, scale, offset
 
 
 @triton.jit
@@ -102,83 +112,72 @@ def _as_float(u, offset):
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
-             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tensor-core tiles: (the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group
-    scale [BLOCK_N]); BLOCK_K divides GROUP."""
-    u, wk = _w4_words(w_rows, k0, k_hi, n_ok, BLOCK_K)
-    u = tl.reshape(u, [BLOCK_N, BLOCK_K])
-    g = k0 // GROUP
-    scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
-    if HAS_ZERO:
-        offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
-    else:
-        offset = tl.full([BLOCK_N], 8, tl.int32)
-    return _as_float(u, offset[:, None]), scale
-
-
-@triton.jit
-def _w4_row_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row: (the codes q - zero [BLOCK_N, BLOCK_K / 8, 8] in fp32, each word's group scale
-    [BLOCK_N, BLOCK_K / 8]). Kept three-dimensional (the input is reshaped instead, a far
-    smaller tile), and a tile may span several groups, so its loads can be wide."""
-    u, wk = _w4_words(w_rows, k0, k_hi, n_ok, BLOCK_K)
-    g = (wk * 8) // GROUP
-    ok = n_ok[:, None] & (wk < k_hi // 8)[None, :]
-    scale = tl.load(s_rows[:, None] + g[None, :], mask=ok, other=0.0)
-    if HAS_ZERO:
-        offset = 8 + tl.load(z_rows[:, None] + g[None, :], mask=ok, other=0).to(tl.int32)
-    else:
-        offset = tl.full(scale.shape, 8, tl.int32)
-    return _as_float(u, offset[:, :, None]), scale
-
-
-@triton.jit
-def _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
-             HAS_ZERO: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+def _w4_step(acc, words, scale, offset, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd,
+             dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+             GATED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
              BLOCK_K: tl.constexpr):
+    """One K block of int4: nibble j of every word (the columns k = word * 8 + j) times the
+    input at those columns, for j = 0..7. Each slice stays in the words' own layout: no
+    reshape of the weight tile, whose layout conversion cost more than the loads. The input is
+    read at stride 8 (it is small and L1-resident). Tensor-core tiles dot the dequantized
+    weight, rounded to the activation dtype as the reference rounds it (a slice is BLOCK_K / 8
+    deep, so BLOCK_K >= 128); one row sums each word's eight products, then scales the sum."""
+    ks0 = k0 + tl.arange(0, BLOCK_K // 8) * 8
+    part = tl.zeros(words.shape, dtype=tl.float32)  # one row: [BLOCK_N, BLOCK_K / 8]
+    for j in tl.static_range(8):
+        ks = ks0 + j
+        x = tiles._input_tile(x_rows, r_rows, nw_ptr, K, ks, ks < k_hi, m_ok, rstd, dtype,
+                              NORM, HAS_RES, GATED)
+        c = _as_float((words >> (4 * j)) & 0xF, offset)
+        if DOT:
+            w = c * scale
+            if UPCAST:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)))
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:
+            part += c * x.to(tl.float32)
     if DOT:
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
-                                BLOCK_N, BLOCK_K)
-    else:
-        codes, scale = _w4_row_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
-                                    BLOCK_K)
-    return codes, scale
+        return acc
+    return acc + part * scale
 
 
 @triton.jit
-def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
-                SCALED: tl.constexpr):
-    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
-    output column when SCALED. Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums;
-    one row (BLOCK_M 1) adds the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
+def _fp8_bits_as(w, dtype: tl.constexpr):
+    """e4m3 codes as `dtype` values 2**-120 (bf16) or 2**8 (fp16) times theirs, by moving the
+    bits (exponent and mantissa into place, the sign on top) instead of converting: the factor
+    goes into the epilogue's scale. Exact for every finite code; the
+    smallest codes land in the dtype's subnormals."""
+    b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+    shift: tl.constexpr = 4 if dtype == tl.bfloat16 else 7
+    return (((b & 0x7F) << shift) | ((b & 0x80) << 8)).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr, BITS: tl.constexpr):
+    """acc plus x [BLOCK_M, BLOCK_K] times the fp8 tile w [BLOCK_N, BLOCK_K] transposed.
+    Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds
+    the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        elif BITS:
+            p = tl.dot(x, tl.trans(_fp8_bits_as(w, x.dtype)))
         else:
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if SCALED:
-            p = p * scale[None, :]
-    elif len(w.shape) == 3:  # one row of int4 (_w4_row_tile): per word, then its scale
-        xw = tl.reshape(x.to(tl.float32), [w.shape[1], w.shape[2]])
-        p = tl.sum(w * xw[None, :, :], axis=2) * scale
     else:
-        xs = x.to(tl.float32)
-        if SCALED:
-            xs = xs * scale[:, None]
-        p = w.to(tl.float32) * xs
+        p = w.to(tl.float32) * x.to(tl.float32)
     return acc + p
 
 
 @triton.jit
-def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
+def _step(acc, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
           NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
-          UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K block: the input tile through the prologue, times the weight tile w."""
+          UPCAST: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K block of fp8: the input tile through the prologue, times the weight tile w."""
     x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
                 BLOCK_K)
-    return _accumulate(acc, x, w, scale, DOT, UPCAST, SCALED)
+    return _accumulate(acc, x, w, DOT, UPCAST, BITS)
 
 
 @triton.jit
@@ -235,7 +234,8 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
                   k_per_split, sx, sr, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                   GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                  BITS: tl.constexpr):
     """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale, x through the
     prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -253,16 +253,18 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
-        acc = _step(acc, w_first, rn, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, DOT, UPCAST, False, BLOCK_K)
+        acc = _step(acc, w_first, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, DOT, UPCAST, BITS, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
-        acc = _step(acc, w, rn, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
-                    DOT, UPCAST, False, BLOCK_K)
+        acc = _step(acc, w, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
+                    DOT, UPCAST, BITS, BLOCK_K)
     if BLOCK_M == 1:  # the row's products, reduced once
         acc = tl.sum(acc, axis=1)[None, :]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+    if DOT and BITS:  # _fp8_bits_as's factor: 2**120 for bf16, 2**8 for fp16
+        scale = scale * (1.329227995784916e36 if dtype == tl.bfloat16 else 256.0)
     _store(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
@@ -290,32 +292,32 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes0, scale0 = _w4_load(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
-                                  DOT, BLOCK_N, BLOCK_K)
+        words0, scale0, offset0 = _w4_load(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP,
+                                           HAS_ZERO, BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
-        acc = _step(acc, codes0, scale0, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM,
-                    HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
+        acc = _w4_step(acc, words0, scale0, offset0, *prologue, k_lo, k_hi, m_ok, rstd, dtype,
+                       NORM, HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        codes, scale = _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO, DOT,
-                                BLOCK_N, BLOCK_K)
-        acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, DOT, UPCAST, True, BLOCK_K)
+        words, scale, offset = _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP,
+                                        HAS_ZERO, BLOCK_N, BLOCK_K)
+        acc = _w4_step(acc, words, scale, offset, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM,
+                       HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
-def pick_config(m: int, n: int, k: int, block_k_max: int,
+def pick_config(m: int, n: int, k: int, int4: bool,
                 t: QuantLinearTuning = _TUNING) -> tuple[LinearConfig, int]:
-    """(the tile config, the K split) for m rows of an [n, k] weight; block_k at most
-    block_k_max (an int4 group)."""
+    """(the tile config, the K split) for m rows of an [n, k] weight; an int4 tensor-core
+    tile at least INT4_DOT_MIN_K deep."""
     cfg = t.one_row if m == 1 else (t.few_rows if m <= t.few_rows_max else t.many_rows)
-    block_k = cfg.block_k if cfg.block_m == 1 else min(cfg.block_k, block_k_max)
+    block_k = max(cfg.block_k, INT4_DOT_MIN_K) if int4 and cfg.block_m > 1 else cfg.block_k
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     split = 1
     while programs * split < t.split_programs and k // (split * 2) >= 2 * block_k:
@@ -346,14 +348,14 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     residual or a norm)."""
     m = x.shape[0]
     n, k = weight.shape
-    group = weight.group_size if weight.format == "int4" else k
+    int4 = weight.format == "int4"
     if config is None:
-        config, split = pick_config(m, n, k, group, t)
+        config, split = pick_config(m, n, k, int4, t)
     else:
         split = config.split_k
-        if weight.format == "int4" and config.block_m > 1 and group % config.block_k:
-            raise ValueError(f"config.block_k={config.block_k} must divide the int4 "
-                             f"group_size={group} for tensor-core tiles (block_m > 1)")
+        if int4 and config.block_m > 1 and config.block_k < INT4_DOT_MIN_K:
+            raise ValueError(f"config.block_k={config.block_k}: an int4 tensor-core tile "
+                             f"(block_m > 1) needs block_k >= {INT4_DOT_MIN_K}")
     bk = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
@@ -372,11 +374,13 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     b = bias if bias is not None else out
     if weight.format == "fp8":
         _w8a16_kernel[grid](*prologue, weight.data, weight.scale, b, out, ws, m, n, k,
-                            k_per_split, x.stride(0), r.stride(0), eps, **tiles)
+                            k_per_split, x.stride(0), r.stride(0), eps,
+                            BITS=t.fp8_move_bits and not _INTERPRET, **tiles)
     else:
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,
-                            k // 8, k_per_split, x.stride(0), r.stride(0), eps, GROUP=group,
+                            k // 8, k_per_split, x.stride(0), r.stride(0), eps,
+                            GROUP=weight.group_size,
                             HAS_ZERO=weight.zero is not None, **tiles)
     if split > 1:
         block = min(t.split_sum_block, triton.next_power_of_2(n))

@@ -107,6 +107,8 @@ class QuantLinearTuning:
     # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off until
     # measured, since it also rounds the activations.
     fp8_scaled_mm_min_rows: int = 0
+    # fp8 tensor-core tiles turn codes into bf16 / fp16 by moving bits, not converting.
+    fp8_move_bits: bool = False
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
     split_programs: int = 264

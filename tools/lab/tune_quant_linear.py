@@ -14,6 +14,7 @@ tune_quant_linear.json. QuantLinearTuning
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import itertools
 import json
 import math
@@ -36,22 +37,23 @@ FORMATS = {"fp8": quantize_fp8, "int4": lambda w: quantize_int4(w, 128),
            "int4_asym": lambda w: quantize_int4(w, 128, symmetric=False)}
 
 
-def candidates(m: int, group: int | None) -> list[LinearConfig]:
-    """Tiles to try: one row on CUDA cores (an int4 tile may span groups) or padded to a
-    16-row tensor-core tile; more rows on tensor-core tiles, whose int4 block_k is at most the
-    group."""
+def candidates(m: int, int4: bool) -> list[LinearConfig]:
+    """Tiles to try: one row on CUDA cores or padded to a 16-row tensor-core tile; more rows
+    on tensor-core tiles (an int4 one at least lq.INT4_DOT_MIN_K deep)."""
     def grid(bms, bns, bks, splits, stages, warps):
         for bm, bn, bk, split, st, w in itertools.product(bms, bns, bks, splits, stages, warps):
-            if bm > 1 and group and bk > group:
-                continue
-            yield LinearConfig(bm, bn, bk, split, num_warps=w, num_stages=st)
+            if not (bm > 1 and int4 and bk < lq.INT4_DOT_MIN_K):
+                yield LinearConfig(bm, bn, bk, split, num_warps=w, num_stages=st)
 
     if m == 1:
-        return [*grid([1], [4, 8, 16, 32], [256, 512, 1024, 2048], [1, 2, 4], [3], [4, 8]),
+        if int4:
+            return [*grid([1], [4, 8, 16], [256, 512, 1024], [1, 2, 4], [3], [4, 8]),
+                    *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
+        return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
     if m <= 16:
-        return list(grid([16], [16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [3, 4], [4]))
-    return list(grid([64], [32, 64, 128], [64, 128], [1, 2], [3, 4], [4, 8]))
+        return list(grid([16], [32, 64, 128], [128, 256], [1, 2, 4], [3, 4], [4]))
+    return list(grid([64], [32, 64, 128], [128, 256], [1, 2], [3, 4], [4, 8]))
 
 
 def main() -> None:
@@ -99,8 +101,15 @@ def main() -> None:
                     row["scaled_mm_us"] = time_graph(lambda i: linear_fp8_rows(x, qs[i]),
                                                      copies) * 1e6
                 timed = time_configs(lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg),
-                                     candidates(m, q0.group_size or None), copies)
+                                     candidates(m, fmt != "fp8"), copies)
                 row["best"] = [dict(us=us, **cfg.__dict__) for us, cfg in timed[:args.top]]
+                if fmt == "fp8" and m > 1:  # the same tiles, codes moved into bf16 bits
+                    bits = replace(lq.DEFAULT.quant_linear, fp8_move_bits=True)
+                    again = time_configs(
+                        lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg, t=bits),
+                        [cfg for _, cfg in timed[:args.top]], copies)
+                    row["bits_best"] = [dict(us=us, **cfg.__dict__) for us, cfg in again]
+                    print(f"  moved bits: {again[0][0]:.1f} us {again[0][1]}", flush=True)
                 results.append(row)
                 save()
                 best = timed[0][0] if timed else float("nan")
