@@ -3,6 +3,11 @@
 --step-ms, no model), read by --client-procs processes of streaming clients. With a real
 engine behind it, the server cannot deliver more than this.
 
+Two figures: tokens a second as the clients received them, and the HTTP process's own CPU
+time per token (from /proc). On a machine with few cores the clients and the stand-in engines
+take CPU from the server, so the first understates its ceiling; the second does not depend on
+what else runs, and one core divided by it is what one HTTP process could carry.
+
     python tools/bench_frontend.py --streams 1600 --tokens 200 --step-ms 10
     python tools/bench_frontend.py --profile /tmp/frontend.prof   # cProfile of the server
 """
@@ -13,6 +18,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import re
 import socket
 import sys
 import time
@@ -20,8 +26,6 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from graphexec.outputs import RequestOutput  # noqa: E402
 
 
 class PacedEngine:
@@ -51,7 +55,10 @@ class PacedEngine:
     def close(self) -> None:
         self.requests.clear()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list:
+        # imported here: the client processes re-import this module, and graphexec brings torch
+        from graphexec.outputs import RequestOutput
+
         time.sleep(self.step_s)
         self.steps += 1
         outs = []
@@ -61,7 +68,8 @@ class PacedEngine:
             done = len(tokens) >= want
             if done:
                 del self.requests[rid]
-            outs.append(RequestOutput(rid, prompt, tokens, [7], "length" if done else None))
+            outs.append(RequestOutput(rid, prompt, tokens, [7], "length" if done else None,
+                                      new_text=_WORDS[len(tokens) % len(_WORDS)]))
         self.tokens += len(outs)
         return outs
 
@@ -73,6 +81,10 @@ class PacedEngine:
         return dict(zero, steps=self.steps, tokens=self.tokens, batch_rows=self.tokens,
                     running=min(n, self.max_batch), waiting=max(0, n - self.max_batch),
                     kv_total=self.pool.num_blocks)
+
+
+# Each token's text: a word as a tokenizer would give it, one with a character JSON escapes.
+_WORDS = (" the", " model", " said", ' "yes"', " and", " é", "\n", " ok")
 
 
 def paced_engine(step_ms: float, max_batch: int) -> PacedEngine:
@@ -97,28 +109,84 @@ def serve(port: int, step_ms: float, max_batch: int, replicas: int) -> None:
                 http=protocol_class(ReadTimeouts()))
 
 
-async def _streams(url: str, count: int, tokens: int, out) -> None:
-    import httpx
-
-    body = {"model": "paced", "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True,
-            "return_token_ids": True}
-    got = [0]
-
-    async def one(client) -> None:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    for c in json.loads(line[6:])["choices"]:
-                        got[0] += len(c.get("token_ids", ()))
-
-    limits = httpx.Limits(max_connections=count + 8, max_keepalive_connections=count)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
-        await asyncio.gather(*(one(client) for _ in range(count)))
-    out.put(got[0])
+_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')
 
 
-def _client_proc(url: str, count: int, tokens: int, out) -> None:
-    asyncio.run(_streams(url, count, tokens, out))
+class _Stream(asyncio.Protocol):
+    """One streamed completion read off a raw socket: a client that costs little CPU, so on a
+    small machine the server rather than the client is what is measured. It counts the token
+    ids and the SSE events it receives."""
+
+    def __init__(self, request: bytes, done: asyncio.Future):
+        self.request, self.done = request, done
+        self.buf = b""
+        self.tokens = self.events = 0
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self.buf = buf
+            return
+        whole, self.buf = buf[:end], buf[end + 2:]
+        self.events += whole.count(b"data: {")
+        for ids in _IDS.findall(whole):
+            if ids:
+                self.tokens += ids.count(b",") + 1
+        if whole.endswith(b"data: [DONE]") and not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc or ConnectionError("closed before [DONE]"))
+
+
+async def _streams(port: int, count: int, tokens: int, out) -> None:
+    body = json.dumps({"model": "paced", "prompt": [1, 2, 3], "max_tokens": tokens,
+                       "stream": True, "return_token_ids": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+               f"Connection: close\r\n\r\n").encode() + body
+    loop = asyncio.get_running_loop()
+
+    async def one() -> _Stream:
+        done = loop.create_future()
+        transport, stream = await loop.create_connection(lambda: _Stream(request, done),
+                                                         "127.0.0.1", port)
+        try:
+            await done
+        finally:
+            transport.close()
+        return stream
+
+    streams = await asyncio.gather(*(one() for _ in range(count)))
+    out.put((sum(s.tokens for s in streams), sum(s.events for s in streams)))
+
+
+def _client_proc(port: int, count: int, tokens: int, out, ready, go) -> None:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    ready.release()
+    go.wait()  # the clock starts once every client process is up
+    asyncio.run(_streams(port, count, tokens, out))
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds of a process, all its threads (Linux /proc; None
+    elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def main() -> None:
@@ -129,6 +197,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256, help="rows a paced step serves")
     ap.add_argument("--replicas", type=int, default=1, help="paced engines behind the server")
     ap.add_argument("--client-procs", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of streams, one server")
     ap.add_argument("--profile", default=None, help="write the server's cProfile here")
     args = ap.parse_args()
     import httpx  # the client side only: the server process imports its own
@@ -151,26 +220,44 @@ def main() -> None:
                 break
         except httpx.HTTPError:
             time.sleep(0.2)
+    for _ in range(args.repeat):
+        _round(args, port, server.pid, ctx)
+    server.terminate()
+    server.join()
+
+
+def _round(args, port: int, server_pid: int, ctx) -> None:
     out = ctx.Queue()
     share = [args.streams // args.client_procs + (i < args.streams % args.client_procs)
              for i in range(args.client_procs)]
-    t = time.perf_counter()
-    clients = [ctx.Process(target=_client_proc, args=(url, n, args.tokens, out))
+    ready, go = ctx.Semaphore(0), ctx.Event()
+    clients = [ctx.Process(target=_client_proc, args=(port, n, args.tokens, out, ready, go))
                for n in share if n]
     for c in clients:
         c.start()
-    total = sum(out.get() for _ in clients)
+    for _ in clients:
+        ready.acquire()
+    cpu0 = _cpu_seconds(server_pid)
+    t = time.perf_counter()
+    go.set()
+    got = [out.get() for _ in clients]
     wall = time.perf_counter() - t
+    cpu1 = _cpu_seconds(server_pid)
     for c in clients:
         c.join()
+    total, events = sum(g[0] for g in got), sum(g[1] for g in got)
     # every engine steps each step_ms, each step one token for up to max_batch of its streams
     engine_rate = min(args.streams, args.max_batch * args.replicas) / (args.step_ms / 1e3)
     print(f"{args.streams} streams x {args.tokens} tokens over {args.replicas} paced "
           f"engine(s) at {args.step_ms:g} ms a step: {total} tokens in {wall:.2f} s = "
           f"{total / wall:,.0f} tokens/s through the server (the engines alone: "
-          f"{engine_rate:,.0f})")
-    server.terminate()
-    server.join()
+          f"{engine_rate:,.0f}); {total / max(events, 1):.2f} tokens a chunk")
+    if cpu0 is not None and cpu1 is not None and total:
+        user, system = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+        used = user + system
+        print(f"  HTTP process: {used:.2f} CPU s ({user:.2f} user, {system:.2f} system), "
+              f"{used / total * 1e6:.1f} us a token = {total / max(used, 1e-9):,.0f} tokens "
+              f"per CPU second")
 
 
 def _profiled_serve(path: str, *args) -> None:
