@@ -3,8 +3,8 @@
 The event loop calls submit / abort / drain, which never block: commands go into an outbox that
 a writer thread sends down the pipe (a plain queue put is also safe from a signal handler). A
 reader thread receives each iteration's message, keeps the counters, and hands the events to
-their requests' asyncio queues with one call_soon_threadsafe per iteration. A slow reader of a
-stream only lets its own queue grow (generation.py merges what piled up into one chunk).
+their requests' sinks with one call_soon_threadsafe per iteration. A slow reader of a
+stream only lets its own sink grow (generation.py merges what piled up into one chunk).
 """
 from __future__ import annotations
 
@@ -100,14 +100,14 @@ class EngineLoop:
         return self._pending + self.snapshot.waiting
 
     def submit(self, request_id: str, prompt: list[int], params, sink: Sink, index: int) -> None:
-        """Non-blocking. The answer (Admitted or Rejected) arrives on sink.queue."""
+        """Non-blocking. The answer (Admitted or Rejected) arrives at the sink."""
         with self._lock:
             if not self._closed:
                 self._pending += 1
                 self._routes[request_id] = _Route(sink, index)
                 self._outbox.put(Add(request_id, prompt, params, index))
                 return
-        sink.queue.put_nowait(Rejected(index, "the server is shutting down", 503))
+        sink.put(Rejected(index, "the server is shutting down", 503))
 
     def abort(self, request_id: str) -> None:
         """Non-blocking; a request that already ended is left alone."""
@@ -198,7 +198,7 @@ class EngineLoop:
     def _hand_over(self, events: list[tuple[Sink, Event]]) -> None:
         now = time.monotonic()
         for sink, ev in events:
-            sink.queue.put_nowait(ev)
+            sink.put(ev)
             if self.observer is not None:
                 self.observer(sink, ev, now)
 

@@ -54,14 +54,18 @@ class Generation:
         refused: Rejected | None = None
         answered = 0
         while answered < len(self.jobs):
-            ev = await self.sink.queue.get()
-            if isinstance(ev, Delta):
-                self._early.append(ev)
-                continue
-            answered += 1
-            if isinstance(ev, Rejected):
-                self._unfinished.discard(ev.index)
-                refused = refused or ev
+            events = await self.sink.take()
+            for k, ev in enumerate(events):
+                if answered == len(self.jobs):  # outputs of the last choice's first step
+                    self._early.extend(events[k:])
+                    break
+                if isinstance(ev, Delta):
+                    self._early.append(ev)
+                    continue
+                answered += 1
+                if isinstance(ev, Rejected):
+                    self._unfinished.discard(ev.index)
+                    refused = refused or ev
         if refused is not None:
             self.abort()
             self.state.metrics.refused.labels("engine").inc()
@@ -78,14 +82,9 @@ class Generation:
         a chunk per step, and the work it costs falls as the load rises."""
         pending = deque(self._early)
         self._early.clear()
+        sink = self.sink
         while pending or self._unfinished:
-            if not pending:
-                pending.append(await self.sink.queue.get())
-            while True:
-                try:
-                    pending.append(self.sink.queue.get_nowait())
-                except asyncio.QueueEmpty:
-                    break
+            pending.extend(await sink.take() if not pending else sink.take_nowait())
             ev = pending.popleft()
             if isinstance(ev, Rejected):  # the engine failed under us
                 self._unfinished.clear()
@@ -96,7 +95,8 @@ class Generation:
             while (ev.finish_reason is None and pending and isinstance(pending[0], Delta)
                    and pending[0].index == ev.index):
                 ev = ev.then(pending.popleft())
-            self._note(ev)
+            if ev.finish_reason is not None:
+                self._unfinished.discard(ev.index)
             yield ev
 
     def _public(self, message: str) -> str:
@@ -107,10 +107,6 @@ class Generation:
             message = message.replace(f"request {q}: ", "").replace(f" for {q}", "")
             message = message.replace(q, "the request").replace(eid, "the request")
         return message
-
-    def _note(self, ev: Delta) -> None:
-        if ev.finish_reason is not None:
-            self._unfinished.discard(ev.index)
 
     def abort(self) -> None:
         """Aborts every choice not finished yet; idempotent, never blocks."""

@@ -2,10 +2,12 @@
 logprob token strings, and the stream's ending."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 
 from ..outputs import TokenLogprob
 from .errors import APIError, unavailable
@@ -97,14 +99,32 @@ def prompt_logprobs_json(lps: list[TokenLogprob | None] | None,
     return out
 
 
-async def sse_body(gen: Generation, chunks: AsyncIterator[dict],
+class ChunkFrame:
+    """A stream's chunks as SSE events, byte for byte what sse({**head, "choices": [choice]})
+    gives: the head (id, object, created, model) is the same in every chunk, so it is encoded
+    once per stream and each chunk encodes only its choice."""
+
+    def __init__(self, head: dict):
+        self._open = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
+
+    def event(self, choice_json: str) -> str:
+        return self._open + choice_json + "]}\n\n"
+
+
+def json_str(s: str) -> str:
+    """s as json.dumps writes it (ASCII, escaped): the one field of a chunk that varies most."""
+    return encode_basestring_ascii(s)
+
+
+async def sse_body(gen: Generation, chunks: AsyncIterator[dict | str],
                    usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
-    """The SSE body: each chunk, the usage chunk if asked for, then [DONE]. An error after the
-    stream began (the engine failed, or the server aborted the request as it stopped) can no
-    longer change the status code: it goes out as an error event."""
+    """The SSE body: each chunk (a dict, or an event ChunkFrame already wrote), the usage chunk
+    if asked for, then [DONE]. An error after the stream began (the engine failed, or the
+    server aborted the request as it stopped) can no longer change the status code: it goes
+    out as an error event."""
     try:
         async for chunk in chunks:
-            yield sse(chunk)
+            yield chunk if chunk.__class__ is str else sse(chunk)
         if usage_chunk is not None:
             yield sse(usage_chunk())
     except APIError as e:

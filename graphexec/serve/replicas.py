@@ -87,7 +87,7 @@ class Replicas:
     def submit(self, request_id: str, prompt: list[int], params, sink: Sink, index: int) -> None:
         live = [loop.serving for loop in self.loops]
         if not any(live):
-            sink.queue.put_nowait(Rejected(index, "no engine replica is serving", 503))
+            sink.put(Rejected(index, "no engine replica is serving", 503))
             return
         info = self.info
         if info is not None:
