@@ -15,6 +15,10 @@ and a (K + 1)-th draft forward, without logits, brings d_K to layer N. The verif
 weight once either way; what changes is that the target's first N layers (and their KV) run
 on the draft's kernels, which round exactly like plain decoding at the same batch size, instead
 of being recomputed over B * (K + 1) rows by kernels that round differently.
+
+Grammar rows, penalties, logit bias and min_p (the `penalties` variant) are applied at every
+verified position as the plain sampler would apply them there (capture/spec_controls.py);
+grammar rows take no drafts. Other variants launch none of it.
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rejection import (SALT_DRAFT, draw_from_probs,
+from ..kernels.rejection import (SALT_DRAFT, accept_argmaxes, draw_from_probs,
                                  rejection_sample_ref, sampling_probs_ref)
 from ..model.llama import AttentionInputs, FinalHidden, KVCache, LlamaModel
 from ..plan import Variant
+from .spec_controls import Hold, apply_controls, recount
 from .state import DecodeState
 
 
@@ -122,19 +127,35 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
                                          rep(state.min_tokens[rows]),
                                          inplace=not variant.logprobs)
 
+    no_drafts = hold = live = None
+    if variant.penalties:  # grammar rows come with it (the scheduler sets both)
+        live = torch.arange(bucket, device=state.device) < state.num_rows
+        if variant.grammar:
+            hold = Hold(state, bucket)
+            live = live & ~hold.held
+        no_drafts = apply_controls(target, state, logits.view(bucket, k + 1, -1), drafts,
+                                   rep(temp), live, variant.grammar)
+
     # 3. accept a prefix, add one corrected or bonus token
     # (greedy rows: the target's argmaxes, and the count follows from the drafts)
     if variant.sampled:
         p = sampling_probs_ref(logits, rep(temp), rep(top_k), rep(top_p), variant.filters)
         tokens, count = rejection_sample_ref(p.view(bucket, k + 1, -1), torch.stack(qs, dim=1),
-                                             draft_tokens, seeds, steps)
+                                             draft_tokens, seeds, steps, no_drafts)
+    elif variant.penalties:  # the count is needed here, for the penalty counts
+        tokens, count = accept_argmaxes(target.ops.argmax(logits).view(bucket, k + 1),
+                                        draft_tokens, no_drafts)
     else:
         tokens, count = target.ops.argmax(logits).view(bucket, k + 1), None
+    if variant.penalties:
+        recount(state, draft_tokens, tokens, count, live)
     # 4. the step's output; live rows advance by the emitted count, and the last emitted
     # token is the next input
     target.ops.spec_advance(tokens, count, draft_tokens, state.input_ids[rows],
                             state.positions[rows], state.steps[rows], state.num_rows,
                             state.out_tokens[rows], state.out_count[rows])
+    if hold is not None:
+        hold.restore(state)
     if variant.logprobs:
         chosen, top_vals, top_ids = target.ops.logprobs(raw, tokens.reshape(-1),
                                                         state.out_top_ids.shape[-1])

@@ -51,7 +51,7 @@ class DecodeState:
         # what penalised rows read, in slots of their own (None: no row may use penalties)
         self.penalties = (PenaltyState(max_rows, vocab_size, device) if penalties else None)
         # Grammar rows: each step that has one, the host writes every row's token mask and a
-        # flag (1: the row has a grammar) into one int64 buffer, one H2D copy (engine.py).
+        # flag (structured.MASK_ON, MASK_HOLD) into one int64 buffer, one H2D copy (engine.py).
         words = -(-vocab_size // 64)
         self.grammar_rows = torch.zeros(r, words + 1, **i64) if penalties else None
         if penalties:

@@ -149,10 +149,6 @@ class Engine:
         if outside is not None:  # it would index past the logits row on the device
             raise ValueError(f"{outside[0]} for {request_id!r} holds token id {outside[1]}, "
                              f"outside the vocabulary [0, {vocab})")
-        if params.uses_penalties and self.runner.k:
-            raise ValueError(f"{params.penalty_fields[0]} for {request_id!r}: penalties, "
-                             "logit_bias and min_p are not supported with speculative "
-                             "decoding yet")
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         if params.min_tokens and len(stop_ids) > 16:
@@ -180,9 +176,9 @@ class Engine:
         if self._grammars is None and self.tokenizer is not None:
             self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
                                                     list(self.model_config.eos_token_ids))
-        if self._grammars is None or self.runner.k:
+        if self._grammars is None:
             raise ValueError(f"structured_outputs for {request_id!r} needs a model with a "
-                             "tokenizer, and no speculative decoding")
+                             "tokenizer")
         return self._grammars.matcher(params.structured_outputs)
 
     def _validate_prompt(self, request_id: str, prompt) -> list[int]:
@@ -314,19 +310,36 @@ class Engine:
             self.stats.chain_breaks += 1
         self._waits_seen = waits
         self.stats.batch_size_sum += len(plan.rows)
-        masks = grammar_rows(plan.rows, self._grammars) if plan.variant.grammar else None
+        held = self._held_grammar_rows(plan)
+        masks = (grammar_rows(plan.rows, self._grammars, held) if plan.variant.grammar
+                 else None)
         launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant,
                                       masks)
         # Each request the step runs, with the fewest and most tokens it emits for it: the
         # prompt chunks (one token for a prompt's last), then the decode rows. A mixed step gives
         # the rows its chunks join their first token only: they decode from the next step on.
         rows = [(r, c.samples, c.samples) for r, c in zip(plan.prefill_requests, plan.prefills)]
-        rows += [(r, 1, self.runner.k + 1) for r in plan.rows[:launched.num_decode]]
+        rows += [(r, *self._decode_tokens(r, held)) for r in plan.rows[:launched.num_decode]]
         for req, fewest, most in rows:
             req.launched(plan.step_id, fewest, most)
         self.in_flight.append(_InFlight(plan, launched, rows))
         self._step_id += 1
         self.stats.steps += 1
+
+    def _held_grammar_rows(self, plan: Plan) -> frozenset[str]:
+        """Speculative steps: the grammar rows that join with a sampled first token. Their
+        verify emits nothing this step: its mask would follow that token (structured.py)."""
+        if not (self.runner.k and plan.variant.grammar):
+            return frozenset()
+        return frozenset(r.request_id for r, c in zip(plan.prefill_requests, plan.prefills)
+                         if c.samples and r.grammar is not None)
+
+    def _decode_tokens(self, req: Request, held: frozenset[str]) -> tuple[int, int]:
+        """The fewest and most tokens a decode row emits this step: 1 without speculation,
+        1..K+1 with it; a grammar row takes no drafts (1), and a held one emits none."""
+        if req.grammar is None or not self.runner.k:
+            return 1, self.runner.k + 1
+        return (0, 0) if req.request_id in held else (1, 1)
 
     def _reconcile(self, step: _InFlight) -> list[Request]:
         """Reads step's tokens and applies them. A row that finished earlier also ran in this

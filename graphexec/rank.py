@@ -69,9 +69,11 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
         variants = [Variant(lp, f) for lp in with_lp for f in (False, True)]
         if k:  # the all-greedy speculative iteration
             variants += [Variant(lp, False, sampled=False) for lp in with_lp]
-        else:  # penalties, logit bias, min_p (the scheduler sets filters with them)
-            variants += [Variant(lp, True, penalties=True, grammar=g) for lp in with_lp
-                         for g in (False, True)]
+        # penalties, logit bias, min_p, grammars (the scheduler sets filters with them when
+        # some row samples; a speculative all-greedy batch has its own)
+        sampled = (True, False) if k else (True,)
+        variants += [Variant(lp, s, sampled=s, penalties=True, grammar=g) for lp in with_lp
+                     for s in sampled for g in (False, True)]
         # Every rank captures the same graphs in the same order: the all-reduces inside them
         # pair up across ranks.
         runner.graphs = GraphSet.capture(runner, cfg.buckets, variants, cfg.token_buckets,

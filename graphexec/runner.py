@@ -55,7 +55,7 @@ class ModelRunner:
         max_blocks = -(-(max_model_len + num_spec_tokens) // block_size)
         w = num_spec_tokens + 1
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
-                                 self.device, tokens_per_step=w, penalties=self.mixed)
+                                 self.device, tokens_per_step=w, penalties=True)
         # A step may stage two copies (its delta and its prefill): eight slots keep the one
         # being rewritten two steps behind the step in flight.
         self.h2d = H2DRing(self.device, num_slots=8)
@@ -138,7 +138,8 @@ class ModelRunner:
             num_decode = self.num_rows - sum(c.row is not None for c in prefills)
             with self._timeline_span(True):
                 return num_decode, self._mixed_step(prefills, lp, num_decode, *pen)
-        samples = self._mixed_step(prefills, lp) if prefills else None  # chunks alone
+        # chunks alone; a joining row's first token gets its penalties and mask here
+        samples = self._mixed_step(prefills, lp, None, *pen) if prefills else None
         if not self.num_rows:  # nothing decodes; the publish keeps the slot counter in step
             self.results.publish(self.state.out_packed[:1])
             return 0, samples

@@ -6,6 +6,11 @@ tokens the grammar allows next (one bit per vocabulary entry, xgrammar's layout)
 mask rows; the captured sampler sets every other token to -inf (kernels/token_mask.py). The mask
 of step n + 1 depends on the token of step n, so while a grammar row is in the batch the engine
 reads each step before it plans the next (graphexec/engine.py).
+
+Under speculative decoding the host knows the mask of a step's first position only, so grammar
+rows take no drafts: one masked token a step (capture/spec_controls.py). A grammar row joining
+in a speculative step samples its first token in the prefill and is held for the rest of that
+step (MASK_HOLD): its next mask follows a token the host has not read yet.
 """
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ from typing import Any
 import numpy as np
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A row's grammar flag (the last word of its DecodeState.grammar_rows row): 0 no grammar, else
+# its mask applies; MASK_HOLD also tells a speculative step to emit nothing for the row (it
+# joined in this step, and its next mask follows a token the host has not read yet).
+MASK_ON, MASK_HOLD = 1, 2
 
 
 @dataclass
@@ -139,14 +148,16 @@ class RowGrammar:
         row[:len(m)] = m
 
 
-def grammar_rows(rows: list, grammars: Grammars) -> np.ndarray:
+def grammar_rows(rows: list, grammars: Grammars, held: frozenset[str] = frozenset()
+                 ) -> np.ndarray:
     """Every row's next-token mask and grammar flag, in DecodeState.grammar_rows' layout: int64
-    words of two int32 mask words each, then the flag. Rows without a grammar: flag 0."""
+    words of two int32 mask words each, then the flag. Rows without a grammar: flag 0. held:
+    request ids of grammar rows whose speculative step emits nothing (flag MASK_HOLD)."""
     words = -(-grammars.words // 2)
     out = np.zeros((len(rows), words + 1), dtype=np.int64)
     masks = out[:, :words].view(np.int32)
     for i, req in enumerate(rows):
         if req.grammar is not None:
             req.grammar.mask_into(masks[i])
-            out[i, words] = 1
+            out[i, words] = MASK_HOLD if req.request_id in held else MASK_ON
     return out

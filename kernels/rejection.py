@@ -5,6 +5,10 @@ Greedy rows are the same rule with one-hot distributions: a draft token is accep
 it equals the target's argmax, and the residual is the target's argmax. So one code path serves
 greedy and sampled rows, and for sampled rows it is the standard lossless rule: accept draft
 token d with probability min(1, p(d) / q(d)), else draw from normalise(max(0, p - q)).
+
+A row may take no drafts (`no_drafts`: a grammar row, whose masks the host knows only for the
+step's first position): its first draft is rejected whatever it is and the token is drawn from
+p itself, as the plain sampler would draw it.
 """
 from __future__ import annotations
 
@@ -42,12 +46,14 @@ def draw_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
 
 
 def rejection_sample_ref(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                         seeds: torch.Tensor, steps: torch.Tensor
+                         seeds: torch.Tensor, steps: torch.Tensor,
+                         no_drafts: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """p: [B, K+1, V] target distributions at the K+1 verified positions; q: [B, K, V] the
     draft distributions the K draft tokens `draft` [B, K] were drawn from; steps: [B] index of
-    the first output token. Returns (tokens [B, K+1], count [B]): the first count tokens of
-    each row are emitted (the accepted drafts, then one corrected or bonus token)."""
+    the first output token; no_drafts: [B] bool, rows that emit one token drawn from p[:, 0]
+    (None: none). Returns (tokens [B, K+1], count [B]): the first count tokens of each row are
+    emitted (the accepted drafts, then one corrected or bonus token)."""
     b, k1, v = p.shape
     k = k1 - 1
     j = torch.arange(k, device=p.device)
@@ -57,6 +63,8 @@ def rejection_sample_ref(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     u = torch.stack([uniform_noise(seeds ^ SALT_ACCEPT, step_j[:, i], 1)[:, 0]
                      for i in range(k)], dim=1) if k else p_d
     accept = u * q_d <= p_d
+    if no_drafts is not None:
+        accept &= ~no_drafts[:, None]
     # accepted prefix length: number of leading True
     n_acc = torch.cumprod(accept.long(), dim=1).sum(1)  # [B]
     # the token after the accepted prefix: residual draw at a rejection, bonus draw otherwise
@@ -64,6 +72,8 @@ def rejection_sample_ref(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     p_at = p.gather(1, idx[:, None, None].expand(b, 1, v)).squeeze(1)
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # no draft after the last one
     q_at = q_pad.gather(1, idx[:, None, None].expand(b, 1, v)).squeeze(1)
+    if no_drafts is not None:  # no draft to correct for: the residual is p itself
+        q_at = q_at.masked_fill(no_drafts[:, None], 0.0)
     residual = (p_at - q_at).clamp(min=0)
     all_accepted = n_acc == k
     # Where p == q exactly the residual is empty; the rule is then never reached (the draft is
@@ -88,8 +98,12 @@ def greedy_accept(logits: torch.Tensor, draft: torch.Tensor
     return accept_argmaxes(logits.argmax(-1), draft)
 
 
-def accept_argmaxes(target: torch.Tensor, draft: torch.Tensor
+def accept_argmaxes(target: torch.Tensor, draft: torch.Tensor,
+                    no_drafts: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """greedy_accept from the target's argmaxes [B, K+1] (computed by whichever kernel)."""
-    accept = (draft == target[:, :-1]).long()
-    return target, torch.cumprod(accept, dim=1).sum(1) + 1
+    """greedy_accept from the target's argmaxes [B, K+1] (computed by whichever kernel).
+    no_drafts: [B] bool, rows whose drafts are all rejected (count 1), or None."""
+    accept = draft == target[:, :-1]
+    if no_drafts is not None:
+        accept &= ~no_drafts[:, None]
+    return target, torch.cumprod(accept.long(), dim=1).sum(1) + 1

@@ -35,15 +35,14 @@ def check_inert_row(engine: Engine) -> None:
     assert bool((st.block_tables[row] == st.scratch_block).all())
 
 
-def random_params(rng: random.Random, greedy: bool, max_tokens: int,
-                  penalties: bool = True) -> SamplingParams:
+def random_params(rng: random.Random, greedy: bool, max_tokens: int) -> SamplingParams:
     stop = rng.sample(range(2, 512), 24) if rng.random() < 0.5 else []
     kw = dict(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9,
               top_k=rng.choice([-1, 30]), top_p=rng.choice([1.0, 0.8]),
               seed=rng.randrange(1000) if rng.random() < 0.7 else None,
               stop_token_ids=stop, ignore_eos=rng.random() < 0.5,
               logprobs=rng.choice([None, 2]))
-    if rng.random() < 0.4 and penalties:  # a penalised row: its slot follows it everywhere
+    if rng.random() < 0.4:  # a penalised row: its slot follows it everywhere
         kw.update(presence_penalty=rng.choice([0.0, 1.0]),
                   frequency_penalty=rng.choice([0.0, 0.5]),
                   repetition_penalty=rng.choice([1.0, 1.3]), min_p=rng.choice([0.0, 0.1]),

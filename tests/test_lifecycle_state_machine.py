@@ -51,9 +51,7 @@ class AsyncEqualsSync(RuleBasedStateMachine):
     def add(self, prompt_len, max_tokens, greedy, seed):
         rng = random.Random(seed)
         prompt = [rng.randrange(2, 512) for _ in range(prompt_len)]
-        # speculative engines refuse penalties (engine.py): their machines go without
-        params = random_params(rng, greedy, max_tokens,
-                               penalties="speculative" not in self.ENGINE)
+        params = random_params(rng, greedy, max_tokens)
         self._submit(prompt, params)
 
     def _submit(self, prompt, params):

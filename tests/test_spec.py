@@ -11,7 +11,7 @@ from conftest import make_hf_model
 from graphexec import LLM, Engine, SamplingParams, SpeculativeConfig
 from graphexec.kernels.rejection import (SALT_DRAFT, draw_from_probs, greedy_accept,
                                          rejection_sample_ref)
-from test_lifecycle_state_machine import AsyncEqualsSync
+from test_lifecycle_state_machine import TALLY, AsyncEqualsSync, ConstrainedAsyncEqualsSync
 
 PROMPTS = [[random.Random(i).randrange(2, 512) for _ in range(3 + 7 * i)] for i in range(6)]
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -141,6 +141,23 @@ def test_lifecycle_state_machine_with_speculation():
     run_state_machine_as_test(AsyncEqualsSyncSpeculative, settings=settings(
         max_examples=15, stateful_step_count=30, deadline=None, database=None,
         derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
+
+
+class ConstrainedAsyncEqualsSyncSpeculative(ConstrainedAsyncEqualsSync):
+    ENGINE = dict(speculative=SpeculativeConfig("self:1", 3))
+
+
+def test_constrained_lifecycle_state_machine_with_speculation():
+    """Grammar rows (no drafts; held in the step they join) among penalised and plain rows
+    under speculation, with aborts, pauses and evictions: async equals sync, and every
+    constrained output is a sentence of its grammar's prefix language."""
+    pytest.importorskip("xgrammar")
+    TALLY.clear()
+    run_state_machine_as_test(ConstrainedAsyncEqualsSyncSpeculative, settings=settings(
+        max_examples=8, stateful_step_count=30, deadline=None, database=None,
+        derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
+    assert TALLY.get("constrained_stop", 0) > 0 and TALLY.get("penalised", 0) > 0, TALLY
+    assert TALLY.get("async_pauses", 0) + TALLY.get("async_evictions", 0) > 0, TALLY
 
 
 @pytest.mark.parametrize("draft", ["self:2", "self:1"])
