@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from graphexec import LLM, SamplingParams, SpeculativeConfig
-from test_lifecycle_state_machine import AsyncEqualsSync
+from test_lifecycle_state_machine import AsyncEqualsSync, ConstrainedAsyncEqualsSync
 from test_spec import GREEDY, PROMPTS, check_acceptance_parity
 
 pytestmark = [pytest.mark.gpu,
@@ -96,6 +96,19 @@ def test_lifecycle_state_machine_with_speculation_on_gpu():
         derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
 
 
+class ConstrainedAsyncEqualsSyncSpeculativeOnGpu(ConstrainedAsyncEqualsSync):
+    ENGINE = AsyncEqualsSyncSpeculativeOnGpu.ENGINE
+    REUSE = {}
+
+
+def test_constrained_lifecycle_state_machine_with_speculation_on_gpu():
+    """Grammar rows among penalised and plain ones, graphs, aborts, pauses and evictions."""
+    pytest.importorskip("xgrammar")
+    run_state_machine_as_test(ConstrainedAsyncEqualsSyncSpeculativeOnGpu, settings=settings(
+        max_examples=8, stateful_step_count=30, deadline=None, database=None,
+        derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_bf16_self_draft_is_always_accepted_with_batch_invariant_kernels(async_scheduling):
     """bf16: the draft runs B rows, the verify B * (K + 1); with the default kernels those
@@ -125,3 +138,45 @@ def test_bf16_lifecycle_state_machine_with_batch_invariant_kernels():
     run_state_machine_as_test(AsyncEqualsSyncSpeculativeBf16OnGpu, settings=settings(
         max_examples=10, stateful_step_count=30, deadline=None, database=None,
         derandomize=True, suppress_health_check=[HealthCheck.too_slow]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_penalised_rows_with_graphs_equal_plain(async_scheduling):
+    """Penalties, logit bias and min_p at every verified position, captured: greedy output
+    equals plain decoding's (float32), with the whole target as draft and a weak one."""
+    from graphexec.plan import Variant
+    from test_spec_controls import _greedy_penalised
+
+    reqs = _greedy_penalised(12, seed=21)
+    prompts = [p for _, p, _ in reqs]
+    params = [sp for _, _, sp in reqs]
+    plain = [o.token_ids for o in LLM("tiny", **GPU).generate(prompts, params)]
+    for draft in ("self:2", "self:1"):
+        llm = LLM("tiny", async_scheduling=async_scheduling, cuda_graphs=True,
+                  speculative=SpeculativeConfig(draft, 3), **GPU)
+        graphs = llm.engine.runner.graphs
+        assert graphs.has(8, Variant(False, False, sampled=False, penalties=True))
+        assert graphs.has(8, Variant(False, True, sampled=True, penalties=True, grammar=True))
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain, draft
+
+
+def test_penalised_and_constrained_rows_async_graphs_equal_sync_eager():
+    """Grammar rows (tiny's made-up vocabulary), penalised and plain rows, seeded and greedy:
+    async with graphs equals sync eager token for token, and every constrained output is a
+    sentence of its grammar."""
+    pytest.importorskip("xgrammar")
+    from graphexec import Engine
+    from test_engine import _same, run_engine
+    from test_spec_controls import _check_constrained, _mixed_batch, _tiny_grammars
+
+    reqs = _mixed_batch(seed=32)
+    spec = SpeculativeConfig("self:1", 3)
+    runs = []
+    for graphs, async_scheduling in ((False, False), (True, True)):
+        engine = Engine("tiny", async_scheduling=async_scheduling, cuda_graphs=graphs,
+                        speculative=spec, num_kv_blocks=256, max_num_batched_tokens=48,
+                        **GPU)
+        vocab = _tiny_grammars(engine)
+        runs.append(run_engine(engine, reqs))
+    _same(*runs)
+    assert _check_constrained(engine, vocab, reqs, runs[1]) >= 3
