@@ -128,17 +128,34 @@ def bench_spec(path: str, batches=(1, 16, 64), ks=(1, 2, 4), prompt_len: int = 1
     return rows
 
 
+def _acceptance(r: dict) -> str:
+    return f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
+
+
+# (header, cell) of every table column the two set-ups share or add
+_COLUMNS = dict(
+    setup=("set-up", lambda r: r["setup"]), rows=("rows", lambda r: r["rows"]),
+    batch=("batch", lambda r: str(r["batch"])), mode=("mode", lambda r: r["mode"]),
+    decode=("decode tok/s", lambda r: f"{r['decode_tokens_per_s']:,.0f}"),
+    vs=("vs plain", lambda r: f"{r['vs_plain']:.2f}x"),
+    e2e=("e2e tok/s", lambda r: f"{r['e2e_tokens_per_s']:,.0f}"),
+    acceptance=("acceptance", _acceptance),
+    per_iteration=("tokens/row/iteration", lambda r: f"{r['tokens_per_iteration']:.2f}"),
+    waits=("grammar waits", lambda r: str(r["grammar_waits"])))
+
+
+def _table(rows: list[dict], columns: list[str]) -> list[str]:
+    cols = [_COLUMNS[c] for c in columns]
+    return ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)] + [
+        "| " + " | ".join(cell(r) for _, cell in cols) + " |" for r in rows]
+
+
 def markdown(rows: list[dict], command: str) -> str:
-    lines = [f"Target {TARGET}, greedy, 128 + 128 tokens, on {torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}. Command: `{command}`.", "",
-             "| set-up | batch | mode | decode tok/s | vs plain | e2e tok/s | acceptance |"
-             " tokens/row/iteration |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
-        lines.append(f"| {r['setup']} | {r['batch']} | {r['mode']} | "
-                     f"{r['decode_tokens_per_s']:,.0f} | {r['vs_plain']:.2f}x | "
-                     f"{r['e2e_tokens_per_s']:,.0f} | {acc} | {r['tokens_per_iteration']:.2f} |")
-    return "\n".join(lines)
+    return "\n".join([f"Target {TARGET}, greedy, 128 + 128 tokens, on "
+                      f"{torch.cuda.get_device_name()}, torch {torch.__version__}. "
+                      f"Command: `{command}`.", ""] + _table(rows, [
+                          "setup", "batch", "mode", "decode", "vs", "e2e", "acceptance",
+                          "per_iteration"]))
 
 
 # -- controls: penalised and grammar rows under speculation -----------------------------------
@@ -205,15 +222,9 @@ def bench_controls(path: str, batches=(1, 16, 64), kinds=ROW_KINDS, prompt_len: 
 
 
 def controls_markdown(rows: list[dict], command: str) -> str:
-    lines = [f"Command: `{command}`.", "",
-             "| set-up | rows | batch | mode | decode tok/s | vs plain | acceptance |"
-             " tokens/row/iteration | grammar waits |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
-        lines.append(f"| {r['setup']} | {r['rows']} | {r['batch']} | {r['mode']} | "
-                     f"{r['decode_tokens_per_s']:,.0f} | {r['vs_plain']:.2f}x | {acc} | "
-                     f"{r['tokens_per_iteration']:.2f} | {r['grammar_waits']} |")
-    return "\n".join(lines)
+    return "\n".join([f"Command: `{command}`.", ""] + _table(rows, [
+        "setup", "rows", "batch", "mode", "decode", "vs", "acceptance", "per_iteration",
+        "waits"]))
 
 
 def main() -> None:
