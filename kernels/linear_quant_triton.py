@@ -5,12 +5,12 @@ Reference: kernels/linear_quant.py (same signature).
 Why this shape: a decode step streams every weight once, so the bytes read set its floor, and a
 quantized weight is read at 1 (fp8) or a bit over 0.5 (int4) bytes an element instead of 2.
 fp8 converts to the activation dtype exactly and its per-channel scale is constant along K,
-so it multiplies the finished sum in the epilogue. An int4 group's scale is constant over a
-group of K, so a K tile never spans two groups (block_k is cut to the group size) and the
-tile's partial sum is scaled once per output column before it joins the accumulator; the
-codes (q - zero) are small integers, exact in bf16/fp16, so a tensor-core dot takes them as
-they are. A tile's packed words come in one vector load and are spread to their eight values
-by shifts in registers.
+so it multiplies the finished sum in the epilogue. An int4 tile's packed words come in one
+vector load; nibble j of every word (columns word * 8 + j) is shifted out as its own slice, in
+the words' layout, and meets the input tile split into the matching eight slices. Nibbles
+become floats through the exponent of 2**23, not an int-to-float conversion. One row scales
+each word's sum by its group's scale; tensor-core tiles dot the weight dequantized and rounded
+as the reference rounds it. Either way a tile may span groups, so loads stay wide.
 
 Each program owns BLOCK_M rows x BLOCK_N columns; one-row batches use CUDA-core dot products
 (block_m 1), more rows tensor-core tiles. When the columns give too few programs, K is split
@@ -112,57 +112,73 @@ def _as_float(u, offset):
 
 
 @triton.jit
+def _eighths(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The input tile [BLOCK_M, BLOCK_K] as eight [BLOCK_M, BLOCK_K / 8] slices, slice j
+    holding columns j, j + 8, ...: the columns nibble j of each word multiplies. Loaded whole
+    (wide vector loads) and split in registers: eight loads at stride 8 issued one load
+    instruction per weight element."""
+    q = tl.reshape(x, [BLOCK_M, BLOCK_K // 8, 4, 2])
+    even, odd = tl.split(q)  # j % 2
+    e0, e1 = tl.split(tl.reshape(even, [BLOCK_M, BLOCK_K // 8, 2, 2]))  # j // 2 % 2
+    o0, o1 = tl.split(tl.reshape(odd, [BLOCK_M, BLOCK_K // 8, 2, 2]))
+    x0, x4 = tl.split(e0)  # j // 4
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _w4_slice(acc, part, x, words, scale, offset, j: tl.constexpr, DOT: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """Nibble j of every word times its input slice x: tensor-core tiles dot the dequantized
+    weight, rounded to the activation dtype as the reference rounds it; one row adds the
+    products to part (each word's sum, scaled once a tile)."""
+    c = _as_float((words >> (4 * j)) & 0xF, offset)
+    if DOT:
+        if UPCAST:  # the interpreter truncates to bf16 (a bias that adds up over K): fp32
+            acc += tl.dot(x.to(tl.float32), tl.trans(c * scale))
+        else:
+            acc += tl.dot(x, tl.trans((c * scale).to(x.dtype)))
+    else:
+        part += c * x.to(tl.float32)
+    return acc, part
+
+
+@triton.jit
 def _w4_step(acc, words, scale, offset, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd,
              dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
              GATED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K block of int4: nibble j of every word (the columns k = word * 8 + j) times the
-    input at those columns, for j = 0..7. Each slice stays in the words' own layout: no
-    reshape of the weight tile, whose layout conversion cost more than the loads. The input is
-    read at stride 8 (it is small and L1-resident). Tensor-core tiles dot the dequantized
-    weight, rounded to the activation dtype as the reference rounds it (a slice is BLOCK_K / 8
-    deep, so BLOCK_K >= 128); one row sums each word's eight products, then scales the sum."""
-    ks0 = k0 + tl.arange(0, BLOCK_K // 8) * 8
+    input at those columns, for j = 0..7. Each nibble slice stays in the words' own layout:
+    spreading the words into [N, K / 8, 8] and reshaping cost more than the loads. Tensor-core
+    slices are BLOCK_K / 8 deep, so BLOCK_K >= 128."""
+    x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
+                BLOCK_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(x, BLOCK_M, BLOCK_K)
     part = tl.zeros(words.shape, dtype=tl.float32)  # one row: [BLOCK_N, BLOCK_K / 8]
-    for j in tl.static_range(8):
-        ks = ks0 + j
-        x = tiles._input_tile(x_rows, r_rows, nw_ptr, K, ks, ks < k_hi, m_ok, rstd, dtype,
-                              NORM, HAS_RES, GATED)
-        c = _as_float((words >> (4 * j)) & 0xF, offset)
-        if DOT:
-            w = c * scale
-            if UPCAST:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)))
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        else:
-            part += c * x.to(tl.float32)
-    if DOT:
-        return acc
-    return acc + part * scale
+    acc, part = _w4_slice(acc, part, x0, words, scale, offset, 0, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x1, words, scale, offset, 1, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x2, words, scale, offset, 2, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x3, words, scale, offset, 3, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x4, words, scale, offset, 4, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x5, words, scale, offset, 5, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x6, words, scale, offset, 6, DOT, UPCAST)
+    acc, part = _w4_slice(acc, part, x7, words, scale, offset, 7, DOT, UPCAST)
+    if not DOT:
+        acc += part * scale
+    return acc
 
 
 @triton.jit
-def _fp8_bits_as(w, dtype: tl.constexpr):
-    """e4m3 codes as `dtype` values 2**-120 (bf16) or 2**8 (fp16) times theirs, by moving the
-    bits (exponent and mantissa into place, the sign on top) instead of converting: the factor
-    goes into the epilogue's scale. Exact for every finite code; the
-    smallest codes land in the dtype's subnormals."""
-    b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
-    shift: tl.constexpr = 4 if dtype == tl.bfloat16 else 7
-    return (((b & 0x7F) << shift) | ((b & 0x80) << 8)).to(dtype, bitcast=True)
-
-
-@triton.jit
-def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr, BITS: tl.constexpr):
+def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
     """acc plus x [BLOCK_M, BLOCK_K] times the fp8 tile w [BLOCK_N, BLOCK_K] transposed.
     Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds
     the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        elif BITS:
-            p = tl.dot(x, tl.trans(_fp8_bits_as(w, x.dtype)))
         else:
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
     else:
@@ -173,11 +189,11 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr, BITS: tl.con
 @triton.jit
 def _step(acc, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
           NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
-          UPCAST: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+          UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K block of fp8: the input tile through the prologue, times the weight tile w."""
     x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
                 BLOCK_K)
-    return _accumulate(acc, x, w, DOT, UPCAST, BITS)
+    return _accumulate(acc, x, w, DOT, UPCAST)
 
 
 @triton.jit
@@ -234,8 +250,7 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
                   k_per_split, sx, sr, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                   GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                  BITS: tl.constexpr):
+                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale, x through the
     prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -254,17 +269,15 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
         acc = _step(acc, w_first, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, DOT, UPCAST, BITS, BLOCK_K)
+                    GATED, DOT, UPCAST, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
         acc = _step(acc, w, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
-                    DOT, UPCAST, BITS, BLOCK_K)
+                    DOT, UPCAST, BLOCK_K)
     if BLOCK_M == 1:  # the row's products, reduced once
         acc = tl.sum(acc, axis=1)[None, :]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    if DOT and BITS:  # _fp8_bits_as's factor: 2**120 for bf16, 2**8 for fp16
-        scale = scale * (1.329227995784916e36 if dtype == tl.bfloat16 else 256.0)
     _store(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
@@ -300,13 +313,13 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
         acc = _w4_step(acc, words0, scale0, offset0, *prologue, k_lo, k_hi, m_ok, rstd, dtype,
-                       NORM, HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
+                       NORM, HAS_RES, GATED, DOT, UPCAST, BLOCK_M, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         words, scale, offset = _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP,
                                         HAS_ZERO, BLOCK_N, BLOCK_K)
         acc = _w4_step(acc, words, scale, offset, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM,
-                       HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
+                       HAS_RES, GATED, DOT, UPCAST, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
@@ -314,10 +327,9 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
 
 def pick_config(m: int, n: int, k: int, int4: bool,
                 t: QuantLinearTuning = _TUNING) -> tuple[LinearConfig, int]:
-    """(the tile config, the K split) for m rows of an [n, k] weight; an int4 tensor-core
-    tile at least INT4_DOT_MIN_K deep."""
-    cfg = t.one_row if m == 1 else (t.few_rows if m <= t.few_rows_max else t.many_rows)
-    block_k = max(cfg.block_k, INT4_DOT_MIN_K) if int4 and cfg.block_m > 1 else cfg.block_k
+    """(the tile config, the K split) for m rows of an [n, k] weight."""
+    cfg = t.config_for(m, n, int4)
+    block_k = cfg.block_k
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     split = 1
     while programs * split < t.split_programs and k // (split * 2) >= 2 * block_k:
@@ -374,8 +386,7 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     b = bias if bias is not None else out
     if weight.format == "fp8":
         _w8a16_kernel[grid](*prologue, weight.data, weight.scale, b, out, ws, m, n, k,
-                            k_per_split, x.stride(0), r.stride(0), eps,
-                            BITS=t.fp8_move_bits and not _INTERPRET, **tiles)
+                            k_per_split, x.stride(0), r.stride(0), eps, **tiles)
     else:
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,

@@ -107,18 +107,32 @@ class QuantLinearTuning:
     # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off until
     # measured, since it also rounds the activations.
     fp8_scaled_mm_min_rows: int = 0
-    # fp8 tensor-core tiles turn codes into bf16 / fp16 by moving bits, not converting.
-    fp8_move_bits: bool = False
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
     split_programs: int = 264
     split_sum_block: int = 1024
-    # One row on CUDA cores; up to few_rows_max rows 16-row tensor-core tiles; then 64. An int4
-    # tile never spans two groups: its block_k is cut to the group size.
+    # Tiles by row count, measured on an H100 with llama-8b's projections
+    # (tools/lab/tune_quant_linear.py): one row on CUDA cores; up to few_rows_max rows 16-row
+    # tensor-core tiles; then 64-row tiles, wider in N for weights of wide_n+ rows (gate_up),
+    # where narrow tiles re-read the rows from L2 once per column block.
     few_rows_max: int = 16
-    one_row: LinearConfig = LinearConfig(1, 16, 256)
-    few_rows: LinearConfig = LinearConfig(16, 32, 128)
-    many_rows: LinearConfig = LinearConfig(64, 64, 64)
+    wide_n: int = 16384
+    one_row: LinearConfig = LinearConfig(1, 8, 1024)
+    few_rows: LinearConfig = LinearConfig(16, 32, 256)
+    many_rows: LinearConfig = LinearConfig(64, 32, 128)
+    many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
+    # int4: the same row classes. A tile may span groups; a tensor-core one is >= 128 deep.
+    int4_one_row: LinearConfig = LinearConfig(1, 8, 1024)
+    int4_few_rows: LinearConfig = LinearConfig(16, 64, 128)
+    int4_many_rows: LinearConfig = LinearConfig(64, 64, 128)
+    int4_many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
+
+    def config_for(self, m: int, n: int, int4: bool) -> LinearConfig:
+        """The tile for m rows of a weight with n output columns."""
+        prefix = "int4_" if int4 else ""
+        kind = ("one_row" if m == 1 else "few_rows" if m <= self.few_rows_max
+                else "many_rows_wide" if n >= self.wide_n else "many_rows")
+        return getattr(self, prefix + kind)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def test_shallow_int4_tensor_core_tile_is_a_value_error():
 def test_many_rows_take_the_dense_gemm():
     from graphexec.kernels import linear_quant_triton as lq
 
-    qw = _quantize(torch.randn(16, 128) * 128 ** -0.5, "int4")
+    qw = _quantize(torch.randn(16, 128, device=DEV) * 128 ** -0.5, "int4")
     x = _randn((lq.DEFAULT.quant_linear.max_rows + 1, 128), torch.bfloat16, 6)
     _check(lq.linear_quant(x, qw), _ref(x, qw), torch.bfloat16, "reduction")
 

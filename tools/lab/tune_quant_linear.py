@@ -14,7 +14,6 @@ tune_quant_linear.json. QuantLinearTuning
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import itertools
 import json
 import math
@@ -103,13 +102,6 @@ def main() -> None:
                 timed = time_configs(lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg),
                                      candidates(m, fmt != "fp8"), copies)
                 row["best"] = [dict(us=us, **cfg.__dict__) for us, cfg in timed[:args.top]]
-                if fmt == "fp8" and m > 1:  # the same tiles, codes moved into bf16 bits
-                    bits = replace(lq.DEFAULT.quant_linear, fp8_move_bits=True)
-                    again = time_configs(
-                        lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg, t=bits),
-                        [cfg for _, cfg in timed[:args.top]], copies)
-                    row["bits_best"] = [dict(us=us, **cfg.__dict__) for us, cfg in again]
-                    print(f"  moved bits: {again[0][0]:.1f} us {again[0][1]}", flush=True)
                 results.append(row)
                 save()
                 best = timed[0][0] if timed else float("nan")
