@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from test_server import KEY, MODEL, Server, _ids, httpx, openai
+from test_tool_parsers import TOOLS
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
@@ -175,16 +176,6 @@ def test_bad_structured_outputs_are_400(client, change, param):
     assert "cmpl-" not in e.value.body["message"], e.value.body
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "get_time", "parameters": {"type": "object", "properties": {
-            "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
-            "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -224,7 +215,7 @@ def test_tool_choice_required_and_named(client):
 
 
 @pytest.mark.parametrize("change,param", [
-    ({"tools": TOOLS}, "tool_choice"),  # "auto", the default: no parser yet
+    ({"tools": TOOLS}, "tool_choice"),  # "auto", the default: no --tool-call-parser here
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),

@@ -18,6 +18,7 @@ from .config import ServeConfig
 from .engine_loop import Phase
 from .routing import ROUTINGS
 from .timeouts import ReadTimeouts, protocol_class
+from .tool_parsers import PARSERS
 
 log = logging.getLogger("graphexec.serve")
 
@@ -87,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how a request picks its replica: prefix (where its prompt's "
                          "leading KV blocks are cached; the default with prefix caching) or "
                          "load (the least busy; the default without)")
+    ap.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                    help="the model's tool-call format, read out of its output into "
+                         "tool_calls when a request has tools and tool_choice \"auto\"")
     ap.add_argument("--manifest", default=None, help="graph manifest from tools/capture.py")
     ap.add_argument("--projections", default=None, help="auto or cublas")
     ap.add_argument("--quantization", default=None,
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         "prefix" if opts.get("enable_prefix_caching") else "load")
     config = ServeConfig(model=args.model, served_model_name=args.served_model_name or args.model,
                          engine_options=opts, api_key=args.api_key, max_queue=args.max_queue,
-                         max_request_bytes=args.max_request_bytes, routing=routing)
+                         max_request_bytes=args.max_request_bytes, routing=routing,
+                         tool_call_parser=args.tool_call_parser)
     from ..engine import Engine
     from .app import build_app
 

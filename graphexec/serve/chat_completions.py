@@ -15,7 +15,8 @@ from .protocol import ChatCompletionRequest
 from .render import (Choice, TokenText, aborted_error, collect, created, new_id,
                      prompt_logprobs_json, prompt_tokens_of, sse_body, usage)
 from .state import ServerState
-from .tools import ToolMode, new_call, tool_mode
+from .tool_parsers import CallArguments, CallStart, Content, Event, ToolCallParser
+from .tools import AutoTools, ToolMode, auto_tools, new_call, tool_mode
 
 router = APIRouter()
 
@@ -28,6 +29,9 @@ async def create_chat_completion(
     state.check_model(body.model)
     check_common(body)
     info = state.model_info()
+    tools = tool_mode(body.tools, body.tool_choice)
+    auto = auto_tools(body.tools, body.tool_choice, state.config.tool_call_parser,
+                      getattr(info.tokenizer, "chat_template", None))
     names = chat_fields(body)
     state.check_fits_queue(1, body.n)
     # Template rendering and tokenising scale with the conversation: off the event loop.
@@ -41,7 +45,6 @@ async def create_chat_completion(
         gen.abort()
         raise
     fmt = _Logprobs(TokenText(info.tokenizer)) if body.logprobs else None
-    tools = tool_mode(body.tools, body.tool_choice)
     if body.stream:
         head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created(),
                 "model": state.config.served_model_name}
@@ -49,7 +52,9 @@ async def create_chat_completion(
         totals = [0] * len(jobs)
         usage_chunk = (lambda: {**head, "choices": [], "usage": usage(
             prompt_tokens_of(gen, body.n), sum(totals))}) if include_usage else None
-        chunks = _chunks(gen, head, fmt, body.return_token_ids, totals, tools)
+        chunks = (_parsed_chunks(gen, head, fmt, body.return_token_ids, totals, auto)
+                  if auto is not None else
+                  _chunks(gen, head, fmt, body.return_token_ids, totals, tools))
         return GenerationStream(gen, sse_body(gen, chunks, usage_chunk))
     try:
         choices = await until_disconnect(request, collect(gen))
@@ -64,20 +69,22 @@ async def create_chat_completion(
     return JSONResponse({
         "id": gen.request_id, "object": "chat.completion", "created": created(),
         "model": state.config.served_model_name,
-        "choices": [_choice(i, c, fmt, body.return_token_ids, tools)
+        "choices": [_choice(i, c, fmt, body.return_token_ids, tools, auto)
                     for i, c in enumerate(choices)],
         "usage": usage(prompt_tokens_of(gen, body.n), sum(len(c.token_ids) for c in choices)),
         **extra})
 
 
 def _choice(index: int, c: Choice, fmt: "_Logprobs | None", return_ids: bool,
-            tools: ToolMode | None) -> dict:
+            tools: ToolMode | None, auto: AutoTools | None = None) -> dict:
     text = "".join(c.text)
     message = {"role": "assistant", "content": text}
     finish = c.finish_reason
     calls = tools.calls(text) if tools is not None and finish == "stop" else None
     if calls is not None:
         message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    elif auto is not None:
+        message, finish = auto.message(text, finish)
     out = {"index": index, "message": message,
            "logprobs": fmt.of(c.logprobs) if fmt else None, "finish_reason": finish}
     if return_ids:
@@ -109,6 +116,73 @@ async def _chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_i
         if return_ids:
             choice["token_ids"] = d.token_ids
         yield {**head, "choices": [choice]}
+
+
+async def _parsed_chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_ids: bool,
+                         totals: list[int], auto: AutoTools) -> AsyncIterator[dict]:
+    """tool_choice "auto": each choice's text goes through its parser, and what it decides
+    goes out as content and tool_calls deltas; what may still become a call waits."""
+    readers = [_CallDeltas(auto.reader()) for _ in gen.jobs]
+    for i in range(len(gen.jobs)):
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    async for d in gen.deltas():
+        if d.finish_reason == "abort":
+            raise aborted_error()
+        totals[d.index] = d.num_tokens
+        reader = readers[d.index]
+        deltas = reader.feed(d.text, d.finish_reason is not None)
+        finish = d.finish_reason
+        if finish == "stop" and reader.calls:
+            finish = "tool_calls"
+        extra = bool(d.token_ids) and (fmt is not None or return_ids)
+        if not deltas and (finish or extra):
+            deltas = [{}]
+        for n, delta in enumerate(deltas):
+            last = n == len(deltas) - 1
+            choice = {"index": d.index, "delta": delta,
+                      "logprobs": fmt.of(d.logprobs or []) if fmt and last else None,
+                      "finish_reason": finish if last else None}
+            if return_ids:
+                choice["token_ids"] = d.token_ids if last else []
+            yield {**head, "choices": [choice]}
+
+
+class _CallDeltas:
+    """One choice's parser events as stream deltas, OpenAI's way: a call's first delta has its
+    index, id, type, name and arguments ""; later ones append to its arguments."""
+
+    def __init__(self, reader: ToolCallParser):
+        self.reader = reader
+        self.calls = 0
+
+    def feed(self, text: str, last: bool) -> list[dict]:
+        events = self.reader.feed(text) if text else []
+        if last:
+            events += self.reader.finish()
+        return self._deltas(events)
+
+    def _deltas(self, events: list[Event]) -> list[dict]:
+        out: list[dict] = []
+        for ev in events:
+            prev = out[-1] if out else None
+            if isinstance(ev, Content):
+                if prev is not None and "content" in prev:
+                    prev["content"] += ev.text
+                else:
+                    out.append({"content": ev.text})
+            elif isinstance(ev, CallStart):
+                self.calls += 1
+                call = {**new_call(ev.name, ""), "index": ev.index}
+                out.append({"tool_calls": [call]})
+            elif isinstance(ev, CallArguments):
+                part = prev["tool_calls"][0] if prev and "tool_calls" in prev else None
+                if part is not None and part["index"] == ev.index and "id" not in part:
+                    part["function"]["arguments"] += ev.text
+                else:
+                    out.append({"tool_calls": [{"index": ev.index,
+                                                "function": {"arguments": ev.text}}]})
+        return out
 
 
 class _StreamedCalls:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from .limits import DEFAULT_MAX_REQUEST_BYTES
 from .routing import ROUTINGS
+from .tool_parsers import PARSERS
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ServeConfig:
     # Data-parallel replicas: "prefix" sends a request where its leading KV blocks are likely
     # cached (unless that replica is much busier), "load" to the least busy (routing.py).
     routing: str = "prefix"
+    # The model's tool-call format (tool_parsers.py), read out of its output when a request's
+    # tool_choice is "auto"; None refuses "auto".
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -30,5 +34,8 @@ class ServeConfig:
                              f"{self.max_request_bytes!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")

@@ -102,8 +102,9 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
     check_text_fits(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
                     info, "messages")
     try:
-        # templates that know tools render them (Llama 3.1+, Qwen2.5+, Hermes-style)
-        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        # templates that know tools render them (Llama 3.1+, Qwen2.5+, Hermes-style); with
+        # tool_choice "none" too, as vLLM does: the model knows them but is not asked to call
+        tools = req.tools or None
         return encode_chat(info.tokenizer, messages, req.add_generation_prompt,
                            **({"tools": tools} if tools else {}))
     except ValueError as e:  # no template, or the template refused the conversation

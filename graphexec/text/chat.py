@@ -76,7 +76,21 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
 
 
 @lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its caller (messages, tools, documents...): a
+    template that never reads `tools` cannot show the model its tools."""
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
+
+
+@lru_cache(maxsize=8)
 def _compile(source: str):
+    return _environment().from_string(source)
+
+
+@lru_cache(maxsize=1)
+def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -85,4 +99,4 @@ def _compile(source: str):
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
