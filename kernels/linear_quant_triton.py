@@ -5,12 +5,12 @@ Reference: kernels/linear_quant.py (same signature).
 Why this shape: a decode step streams every weight once, so the bytes read set its floor, and a
 quantized weight is read at 1 (fp8) or a bit over 0.5 (int4) bytes an element instead of 2.
 fp8 converts to the activation dtype exactly and its per-channel scale is constant along K,
-so it multiplies the finished sum in the epilogue. An int4 tile's packed words come in one
-vector load; nibble j of every word (columns word * 8 + j) is shifted out as its own slice, in
-the words' layout, and meets the input tile split into the matching eight slices. Nibbles
-become floats through the exponent of 2**23, not an int-to-float conversion. One row scales
-each word's sum by its group's scale; tensor-core tiles dot the weight dequantized and rounded
-as the reference rounds it. Either way a tile may span groups, so loads stay wide.
+so it multiplies the finished sum in the epilogue. An int4 group's scale is constant over a
+group of K, so a K tile never spans two groups (block_k is cut to the group size) and the
+tile's partial sum is scaled once per output column before it joins the accumulator; the
+codes (q - zero) are small integers, exact in bf16/fp16, so a tensor-core dot takes them as
+they are. A tile's packed words come in one vector load and are spread to their eight values
+by shifts in registers.
 
 Each program owns BLOCK_M rows x BLOCK_N columns; one-row batches use CUDA-core dot products
 (block_m 1), more rows tensor-core tiles. When the columns give too few programs, K is split
@@ -36,8 +36,6 @@ from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (test
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TUNING = DEFAULT.quant_linear
-# An int4 tensor-core tile dots eight slices of BLOCK_K / 8 columns; a bf16 dot is >= 16 deep.
-INT4_DOT_MIN_K = 128
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -85,121 +83,59 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
              HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(the tile's packed words [BLOCK_N, BLOCK_K / 8] in one vector load, and each word's
-    group scale and offset 8 + zero, same shape): a tile may span groups, so its loads can be
-    wide whatever the group size."""
+    """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
+    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load, each spread to its eight
+    values (value j at bits 4j): k = word * 8 + j, the order of the reshape."""
     wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
                            BLOCK_K // 8)
-    ok = n_ok[:, None] & (wk < k_hi // 8)[None, :]
-    words = tl.load(w_rows + wk[None, :], mask=ok, other=0)
-    g = (wk * 8) // GROUP
-    scale = tl.load(s_rows[:, None] + g[None, :], mask=ok, other=0.0)
+    words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
+                    other=0)
+    u = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    u = tl.reshape(u, [BLOCK_N, BLOCK_K])
+    g = k0 // GROUP
+    scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
     if HAS_ZERO:
-        offset = 8 + tl.load(z_rows[:, None] + g[None, :], mask=ok, other=0).to(tl.int32)
+        offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
     else:
-        offset = tl.full([BLOCK_N, BLOCK_K // 8], 8, tl.int32)
-    return words, scale, offset
+        offset = tl.full([BLOCK_N], 8, tl.int32)
+    return (u - offset[:, None]).to(tl.float32), scale
 
 
 @triton.jit
-def _as_float(u, offset):
-    """u - offset in fp32 for nibbles u and integer offsets below 2**23, without an
-    int-to-float conversion (a quarter-rate instruction): 2**23 + u is u's bits under the
-    exponent of 2**23, and subtracting 2**23 + offset is exact."""
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset.to(tl.float32))
-
-
-@triton.jit
-def _eighths(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The input tile [BLOCK_M, BLOCK_K] as eight [BLOCK_M, BLOCK_K / 8] slices, slice j
-    holding columns j, j + 8, ...: the columns nibble j of each word multiplies. Loaded whole
-    (wide vector loads) and split in registers: eight loads at stride 8 issued one load
-    instruction per weight element."""
-    q = tl.reshape(x, [BLOCK_M, BLOCK_K // 8, 4, 2])
-    even, odd = tl.split(q)  # j % 2
-    e0, e1 = tl.split(tl.reshape(even, [BLOCK_M, BLOCK_K // 8, 2, 2]))  # j // 2 % 2
-    o0, o1 = tl.split(tl.reshape(odd, [BLOCK_M, BLOCK_K // 8, 2, 2]))
-    x0, x4 = tl.split(e0)  # j // 4
-    x2, x6 = tl.split(e1)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _w4_slice(acc, part, x, words, scale, offset, j: tl.constexpr, DOT: tl.constexpr,
-              UPCAST: tl.constexpr):
-    """Nibble j of every word times its input slice x: tensor-core tiles dot the dequantized
-    weight, rounded to the activation dtype as the reference rounds it; one row adds the
-    products to part (each word's sum, scaled once a tile)."""
-    c = _as_float((words >> (4 * j)) & 0xF, offset)
-    if DOT:
-        if UPCAST:  # the interpreter truncates to bf16 (a bias that adds up over K): fp32
-            acc += tl.dot(x.to(tl.float32), tl.trans(c * scale))
-        else:
-            acc += tl.dot(x, tl.trans((c * scale).to(x.dtype)))
-    else:
-        part += c * x.to(tl.float32)
-    return acc, part
-
-
-@triton.jit
-def _w4_step(acc, words, scale, offset, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd,
-             dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-             GATED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K block of int4: nibble j of every word (the columns k = word * 8 + j) times the
-    input at those columns, for j = 0..7. Each nibble slice stays in the words' own layout:
-    spreading the words into [N, K / 8, 8] and reshaping cost more than the loads. Tensor-core
-    slices are BLOCK_K / 8 deep, so BLOCK_K >= 128."""
-    x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
-                BLOCK_K)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(x, BLOCK_M, BLOCK_K)
-    part = tl.zeros(words.shape, dtype=tl.float32)  # one row: [BLOCK_N, BLOCK_K / 8]
-    acc, part = _w4_slice(acc, part, x0, words, scale, offset, 0, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x1, words, scale, offset, 1, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x2, words, scale, offset, 2, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x3, words, scale, offset, 3, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x4, words, scale, offset, 4, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x5, words, scale, offset, 5, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x6, words, scale, offset, 6, DOT, UPCAST)
-    acc, part = _w4_slice(acc, part, x7, words, scale, offset, 7, DOT, UPCAST)
-    if not DOT:
-        acc += part * scale
-    return acc
-
-
-@triton.jit
-def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """acc plus x [BLOCK_M, BLOCK_K] times the fp8 tile w [BLOCK_N, BLOCK_K] transposed.
-    Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds
-    the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
+def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
+                SCALED: tl.constexpr):
+    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
+    output column when SCALED. Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums;
+    one row (BLOCK_M 1) adds the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if SCALED:
+            p = p * scale[None, :]
     else:
-        p = w.to(tl.float32) * x.to(tl.float32)
+        xs = x.to(tl.float32)
+        if SCALED:
+            xs = xs * scale[:, None]
+        p = w.to(tl.float32) * xs
     return acc + p
 
 
 @triton.jit
-def _step(acc, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
+def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
           NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
-          UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K block of fp8: the input tile through the prologue, times the weight tile w."""
+          UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K block: the input tile through the prologue, times the weight tile w."""
     x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
                 BLOCK_K)
-    return _accumulate(acc, x, w, DOT, UPCAST)
+    return _accumulate(acc, x, w, scale, DOT, UPCAST, SCALED)
 
 
 @triton.jit
 def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row: partial sums [BLOCK_N, BLOCK_K] (int4: per word, BLOCK_K is then the words a
-    tile), reduced once after the loop; tensor-core tiles: [BLOCK_M, BLOCK_N]."""
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -268,13 +204,13 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
-        acc = _step(acc, w_first, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, DOT, UPCAST, BLOCK_K)
+        acc = _step(acc, w_first, rn, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, DOT, UPCAST, False, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
-        acc = _step(acc, w, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
-                    DOT, UPCAST, BLOCK_K)
+        acc = _step(acc, w, rn, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
+                    DOT, UPCAST, False, BLOCK_K)
     if BLOCK_M == 1:  # the row's products, reduced once
         acc = tl.sum(acc, axis=1)[None, :]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -290,8 +226,7 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
     and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale.
-    Tensor-core tiles: BLOCK_K divides GROUP, so a tile's columns share one scale per output
-    column; one row (_w4_row_tile) scales each word's sum instead, any BLOCK_K. KW = K / 8,
+    BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
     the words a row, passed so that Triton sees its alignment (vector loads). x goes through
     the prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -301,35 +236,36 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
     s_rows = s_ptr + rn.to(tl.int64) * (K // GROUP)
     z_rows = z_ptr + rn.to(tl.int64) * (K // GROUP)
-    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K if DOT else BLOCK_K // 8)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        words0, scale0, offset0 = _w4_load(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP,
-                                           HAS_ZERO, BLOCK_N, BLOCK_K)
+        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
+                                  BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
-        acc = _w4_step(acc, words0, scale0, offset0, *prologue, k_lo, k_hi, m_ok, rstd, dtype,
-                       NORM, HAS_RES, GATED, DOT, UPCAST, BLOCK_M, BLOCK_K)
+        acc = _step(acc, codes0, scale0, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM,
+                    HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        words, scale, offset = _w4_load(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP,
-                                        HAS_ZERO, BLOCK_N, BLOCK_K)
-        acc = _w4_step(acc, words, scale, offset, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM,
-                       HAS_RES, GATED, DOT, UPCAST, BLOCK_M, BLOCK_K)
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+                                BLOCK_N, BLOCK_K)
+        acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, DOT, UPCAST, True, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
-def pick_config(m: int, n: int, k: int, int4: bool,
+def pick_config(m: int, n: int, k: int, block_k_max: int, int4: bool = False,
                 t: QuantLinearTuning = _TUNING) -> tuple[LinearConfig, int]:
-    """(the tile config, the K split) for m rows of an [n, k] weight."""
+    """(the tile config, the K split) for m rows of an [n, k] weight; block_k at most
+    block_k_max (an int4 group)."""
     cfg = t.config_for(m, n, int4)
-    block_k = cfg.block_k
+    block_k = min(cfg.block_k, block_k_max)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     split = 1
     while programs * split < t.split_programs and k // (split * 2) >= 2 * block_k:
@@ -360,14 +296,14 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     residual or a norm)."""
     m = x.shape[0]
     n, k = weight.shape
-    int4 = weight.format == "int4"
+    group = weight.group_size if weight.format == "int4" else k
     if config is None:
-        config, split = pick_config(m, n, k, int4, t)
+        config, split = pick_config(m, n, k, group, weight.format == "int4", t)
     else:
         split = config.split_k
-        if int4 and config.block_m > 1 and config.block_k < INT4_DOT_MIN_K:
-            raise ValueError(f"config.block_k={config.block_k}: an int4 tensor-core tile "
-                             f"(block_m > 1) needs block_k >= {INT4_DOT_MIN_K}")
+        if weight.format == "int4" and group % config.block_k:
+            raise ValueError(f"config.block_k={config.block_k} must divide the int4 "
+                             f"group_size={group}")
     bk = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
@@ -390,8 +326,7 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     else:
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,
-                            k // 8, k_per_split, x.stride(0), r.stride(0), eps,
-                            GROUP=weight.group_size,
+                            k // 8, k_per_split, x.stride(0), r.stride(0), eps, GROUP=group,
                             HAS_ZERO=weight.zero is not None, **tiles)
     if split > 1:
         block = min(t.split_sum_block, triton.next_power_of_2(n))

@@ -12,10 +12,8 @@ SHAPES = big([(1, 4096, 4096), (1, 4096, 14336), (7, 6144, 4096), (16, 28672, 40
               (64, 4096, 14336), (33, 1000, 896)],
              [(1, 40, 256), (3, 37, 128), (17, 24, 256)])
 # (block_m, block_n, block_k, split): None = the tuning table's pick
-# int4 tiles may span several groups (block_k 512 or 256 over groups of 128 or 32); an int4
-# tensor-core tile is at least 128 deep (the test raises smaller ones to it).
-CONFIGS = big([None, (1, 8, 128, 4), (1, 16, 512, 2), (16, 32, 64, 1), (64, 64, 128, 2)],
-              [None, (1, 8, 32, 2), (1, 8, 256, 1), (16, 16, 32, 1), (64, 16, 64, 2)])
+CONFIGS = big([None, (1, 8, 128, 4), (16, 32, 64, 1), (64, 64, 128, 2)],
+              [None, (1, 8, 32, 2), (16, 16, 32, 1), (64, 16, 64, 2)])
 FORMATS = ["fp8", "int4", "int4_asym", "int4_g32"]
 
 
@@ -23,17 +21,6 @@ def _quantize(w, fmt):
     if fmt == "fp8":
         return quantize_fp8(w)
     return quantize_int4(w, 32 if fmt == "int4_g32" else 128, symmetric=fmt != "int4_asym")
-
-
-def _config(config, fmt):
-    """A forced tile (block_m, block_n, block_k, split), an int4 tensor-core one raised to the
-    least depth it takes."""
-    from graphexec.kernels import linear_quant_triton as lq
-
-    if config is None:
-        return None
-    bk = config[2] if fmt == "fp8" or config[0] == 1 else max(config[2], lq.INT4_DOT_MIN_K)
-    return lq.LinearConfig(config[0], config[1], bk, split_k=config[3])
 
 
 def _ref(x, qw, b=None):
@@ -56,7 +43,9 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
         pytest.skip("block_m 1 is the one-row kernel")
     x = _randn((m, k + 8), dtype, 1)[:, 4:k + 4]  # rows strided wider than K
     qw = _quantize(_randn((n, k), torch.float32, 2, k ** -0.5), fmt)
-    cfg = _config(config, fmt)
+    group = qw.group_size or k
+    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], group), split_k=config[3])
+           if config else None)
     out = lq.linear_quant(x, qw, config=cfg)
     assert not torch.equal(out.float(), torch.zeros_like(out.float()))
     _check(out, _ref(x, qw), dtype, "reduction")
@@ -73,19 +62,19 @@ def test_linear_quant_bias(fmt, split):
     x = _randn((m, k), torch.bfloat16, 3)
     qw = _quantize(_randn((n, k), torch.float32, 4, k ** -0.5), fmt)
     b = _randn((n,), torch.bfloat16, 5)
-    out = lq.linear_quant(x, qw, b, config=lq.LinearConfig(16, 16, 128, split_k=split))
+    out = lq.linear_quant(x, qw, b, config=lq.LinearConfig(16, 16, 32, split_k=split))
     _check(out, _ref(x, qw, b), torch.bfloat16, "reduction")
 
 
 @kernel_test
 @pytest.mark.gpu
-def test_shallow_int4_tensor_core_tile_is_a_value_error():
+def test_block_k_across_a_group_is_a_value_error():
     from graphexec.kernels import linear_quant_triton as lq
 
     qw = quantize_int4(torch.randn(16, 128, device=DEV), 32)
     x = torch.randn(1, 128, device=DEV).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="block_k >= 128"):
-        lq.linear_quant(x, qw, config=lq.LinearConfig(16, 16, 64))
+    with pytest.raises(ValueError, match="group_size=32"):
+        lq.linear_quant(x, qw, config=lq.LinearConfig(1, 8, 64))
 
 
 @kernel_test
@@ -120,7 +109,8 @@ def test_norm_linear_quant(m, k, config, fmt, with_residual):
     res = _randn((m, k), dtype, 8, 3.0) if with_residual else None
     nw = (1.0 + 0.2 * _randn((k,), torch.float32, 9)).to(dtype)
     qw = _quantize(_randn((n, k), torch.float32, 10, k ** -0.5), fmt)
-    cfg = _config(config, fmt)
+    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], qw.group_size or k),
+                           split_k=config[3]) if config else None)
     out, summed = lq.norm_linear_quant(x, res, nw, 1e-5, qw, config=cfg)
     want, want_sum = norm_linear_quant_ref(x.float(), None if res is None else res.float(),
                                            nw.float(), 1e-5, qw)
@@ -141,7 +131,8 @@ def test_silu_mul_linear_quant(m, k, config, fmt):
     dtype, n = torch.bfloat16, 24
     gate_up = _randn((m, 2 * k), dtype, 11)
     qw = _quantize(_randn((n, k), torch.float32, 12, k ** -0.5), fmt)
-    cfg = _config(config, fmt)
+    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], qw.group_size or k),
+                           split_k=config[3]) if config else None)
     out = lq.silu_mul_linear_quant(gate_up, qw, config=cfg)
     _check(out, _ref(act_ref.silu_mul_ref(gate_up), qw), dtype, "reduction")
 

@@ -38,16 +38,16 @@ FORMATS = {"fp8": quantize_fp8, "int4": lambda w: quantize_int4(w, 128),
 
 def candidates(m: int, int4: bool) -> list[LinearConfig]:
     """Tiles to try: one row on CUDA cores or padded to a 16-row tensor-core tile; more rows
-    on tensor-core tiles (an int4 one at least lq.INT4_DOT_MIN_K deep)."""
+    on tensor-core tiles. An int4 tile is at most a group (128) deep."""
     def grid(bms, bns, bks, splits, stages, warps):
         for bm, bn, bk, split, st, w in itertools.product(bms, bns, bks, splits, stages, warps):
-            if not (bm > 1 and int4 and bk < lq.INT4_DOT_MIN_K):
+            if not (int4 and bk > 128):
                 yield LinearConfig(bm, bn, bk, split, num_warps=w, num_stages=st)
 
     if m == 1:
         if int4:
-            return [*grid([1], [4, 8, 16], [512, 1024], [1, 2], [3], [4]),
-                    *grid([16], [32, 64], [128, 256], [2, 4], [3], [4])]
+            return [*grid([1], [8, 16, 32], [64, 128], [1, 2, 4], [3], [4]),
+                    *grid([16], [32, 64], [128], [1, 2, 4], [3], [4])]
         return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
     if m <= 16:
