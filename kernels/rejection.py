@@ -42,7 +42,9 @@ def draw_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     """One draw per row from (unnormalised) probabilities, by Gumbel-max on log(probs)."""
     u = uniform_noise(seeds, steps, probs.shape[1])
     score = torch.log(probs) - torch.log(-torch.log(u))
-    return score.argmax(-1)
+    # A token of probability 0 (masked, filtered) stays out even where the noise is +inf: u
+    # rounds to 1.0 in fp32 for one entry in 2**24, and -inf + inf is a NaN that argmax picks.
+    return score.masked_fill(probs <= 0, float("-inf")).argmax(-1)
 
 
 def rejection_sample_ref(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,

@@ -231,3 +231,15 @@ def test_smollm2_constrained_rows_validate_under_speculation():
         jsonschema.validate(json.loads(outs[rid].text), schema)
     assert outs["x0"].finish_reason == "stop" and re.fullmatch(regex, outs["x0"].text)
     assert outs["p0"].num_drafted_tokens > 0
+
+
+def test_draws_never_pick_a_token_of_probability_zero(monkeypatch):
+    """The uniforms reach 1.0 in fp32 for one entry in 2**24: -log(u) is then 0 and the
+    Gumbel noise +inf, which on log(0) = -inf made a NaN that argmax picked (a masked token
+    drawn in about one verify in 300 at a vocabulary of 49k)."""
+    from graphexec.kernels import rejection
+
+    probs = torch.tensor([[0.0, 0.7, 0.3, 0.0]])
+    u = torch.tensor([[1.0, 0.5, 0.5, 0.5]])
+    monkeypatch.setattr(rejection, "uniform_noise", lambda seeds, steps, v: u)
+    assert rejection.draw_from_probs(probs, torch.zeros(1), torch.zeros(1)).item() in (1, 2)

@@ -4,6 +4,7 @@ by EOS but does not parse, validate or fullmatch). Exits 1 on any violation.
 
     python tools/fuzz_structured.py --requests 2000 --device cuda            # async, graphs
     python tools/fuzz_structured.py --requests 200 --device cpu --sync
+    python tools/fuzz_structured.py --requests 2000 --device cuda --spec self:15 --k 3
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from graphexec import Engine  # noqa: E402
+from graphexec import Engine, SpeculativeConfig  # noqa: E402
 from test_structured_outputs import MODEL, _requests, check_output  # noqa: E402
 
 
@@ -26,8 +27,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--sync", action="store_true", help="sync scheduling (default async)")
+    ap.add_argument("--spec", default=None,
+                    help="speculative decoding with this draft (self:N, a preset, a directory)")
+    ap.add_argument("--k", type=int, default=3, help="with --spec: tokens drafted per step")
     args = ap.parse_args()
     opts = dict(max_model_len=512, max_batch=args.batch, async_scheduling=not args.sync)
+    if args.spec:
+        opts["speculative"] = SpeculativeConfig(args.spec, args.k)
     if args.device:
         opts["device"] = args.device
     engine = Engine(args.model, **opts)
@@ -47,6 +53,7 @@ def main() -> int:
             g = grammars[out.request_id]
             try:
                 assert g is None or g.rejected == 0, f"{g.rejected} tokens refused"
+                assert g is None or out.num_drafted_tokens == 0, "a grammar row drafted"
                 complete += check_output(out, sp, check, eos)
             except Exception as e:  # noqa: BLE001 -- every violation is counted and shown
                 violations += 1
