@@ -4,6 +4,7 @@ a body is read (limits.py: API key, size, JSON), and the routes that are not gen
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -44,6 +45,12 @@ def build_app(config: ServeConfig, engine_factory: Callable[[], object] | list,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start(asyncio.get_running_loop())
+        # What was imported or built so far (torch among it: some 200,000 objects) lives as
+        # long as the process: out of the collector's sight, a full collection under load
+        # scans only what serving made, a few ms where it took about 150 ms (a pause of
+        # every stream) and a sixth of the HTTP process's CPU time.
+        gc.collect()
+        gc.freeze()
         yield
         # Uvicorn has stopped accepting and waited for open requests (up to its graceful
         # timeout) before it gets here; what is still running is aborted by the loop's stop.
