@@ -100,6 +100,9 @@ class QuantLinearTuning:
     # The norm before qkv and gate_up, and silu * mul before down, in the kernel's prologue up
     # to this many rows (as LinearTuning.fuse_max_rows); above, their own kernels run first.
     fuse_max_rows: int = 1
+    # fp8 with the norm fused and K not split: the norm in one pass over the row (1 / rms
+    # applied to the finished sums), as LinearTuning's projections do.
+    one_pass_norm: bool = True
     # The dense copy's kernel (kernels/dequant_triton.py): a program's tile.
     dequant_block_n: int = 16
     dequant_block_k: int = 256
