@@ -2,10 +2,10 @@
 
 The HTTP process (engine_loop.EngineLoop) and this one share nothing but two one-way pipes:
 commands come in (Add, Abort, Drain, Stop), and after every iteration one message goes out with
-the events of all the requests the step touched and the engine's counters. Apart from the
-HTTP process, the engine's host loop never waits for the Python lock of an event loop that is
-parsing requests or writing stream chunks, and the event loop never waits for a step: at
-thousands of tokens a second the two together need more than one core.
+the events of all the requests the step touched and the engine's counters (framed as frames.py
+says). Apart from the HTTP process, the engine's host loop never waits for the Python lock of
+an event loop that is parsing requests or writing stream chunks, and the event loop never
+waits for a step: at thousands of tokens a second the two together need more than one core.
 
 Each iteration: take what the inbox holds (blocking only when the engine has nothing to do),
 apply it, step, and send the step's outputs. A thread of this process moves commands from the
@@ -13,6 +13,7 @@ pipe into the inbox, so a step never waits for the pipe either.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import signal
@@ -23,6 +24,7 @@ from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 
 from .events import Abort, Add, Admitted, Delta, Drain, Event, Rejected, Stop
+from .frames import write_frame
 
 log = logging.getLogger("graphexec.serve")
 
@@ -57,7 +59,7 @@ class EngineSnapshot:
         return cls(**values)
 
 
-# Messages to the HTTP process, as tuples (cheap to pickle):
+# Messages to the HTTP process, as tuples (cheap to pickle), one frame each (frames.py):
 #   ("ready", ModelInfo, EngineSnapshot)   the engine is built; serving from now on
 #   ("events", [(request_id, Event)], EngineSnapshot)   one iteration's outputs
 #   ("failed", message)   the engine failed to start, or its loop failed; the process ends
@@ -204,23 +206,24 @@ def run_engine_process(factory: Callable[[], object], commands: Connection, even
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .model_info import ModelInfo
 
+    send = functools.partial(write_frame, events.fileno())
     try:
         engine = factory()
-        events.send(("ready", ModelInfo.of(engine), EngineSnapshot.of(engine)))
+        send(("ready", ModelInfo.of(engine), EngineSnapshot.of(engine)))
     except BaseException as e:  # noqa: BLE001 -- reported to the HTTP process
         log.exception("the engine failed to start")
-        events.send(("failed", f"{type(e).__name__}: {e}"))
+        send(("failed", f"{type(e).__name__}: {e}"))
         return
-    core = EngineCore(engine, events.send)
+    core = EngineCore(engine, send)
     threading.Thread(target=_read_commands, args=(commands, core.inbox),
                      name="graphexec-commands", daemon=True).start()
     try:
         core.serve()
-        events.send(("stopped",))
+        send(("stopped",))
     except BaseException as e:  # noqa: BLE001
         log.exception("the engine loop failed")
         try:
-            events.send(("failed", f"{type(e).__name__}: {e}"))
+            send(("failed", f"{type(e).__name__}: {e}"))
         except OSError:
             pass  # the HTTP process is gone: nobody to tell
     finally:

@@ -1,17 +1,21 @@
 """The HTTP process's handle on the engine process (engine_core.py).
 
 The event loop calls submit / abort / drain, which never block: commands go into an outbox that
-a writer thread sends down the pipe (a plain queue put is also safe from a signal handler). A
-reader thread receives each iteration's message, keeps the counters, and hands the events to
-their requests' sinks with one call_soon_threadsafe per iteration. A slow reader of a
-stream only lets its own sink grow (generation.py merges what piled up into one chunk).
+a writer thread sends down the pipe (a plain queue put is also safe from a signal handler). The
+event loop itself reads the events pipe (frames.py says why not a thread): each iteration's
+message updates the counters and puts the events into their requests' sinks. A slow reader of
+a stream only lets its own sink grow (generation.py merges what piled up into one chunk).
+Everything here but stop() and the writer thread runs on the event loop, so the routes need
+no lock.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 from .engine_core import EngineSnapshot, run_engine_process
 from .events import Abort, Add, Admitted, Drain, Event, Rejected, Sink, Stop
+from .frames import FrameReader
 from .model_info import ModelInfo
 
 log = logging.getLogger("graphexec.serve")
@@ -52,22 +57,24 @@ class EngineLoop:
                  on_fatal: Callable[[], None] | None = None, log_level: str = "INFO"):
         self._factory = factory  # runs in the engine process: it must pickle
         self.observer = observer  # called on the event loop for each event handed over
-        self.on_fatal = on_fatal  # called on the reader thread if the engine fails
+        self.on_fatal = on_fatal  # called on the event loop if the engine fails
         self._log_level = log_level
         self.phase = Phase.STARTING
         self.info: ModelInfo | None = None
         self.snapshot = EngineSnapshot()
         self.error: BaseException | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Guards _routes, _pending and _closed: once closed, nothing more may be submitted
-        # (it would wait for an answer from an engine that is gone).
-        self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
         self._pending = 0  # Adds the engine has not answered yet
+        # Once closed, nothing more may be submitted (it would wait for an answer from an
+        # engine that is gone).
         self._closed = False
         self._aio: asyncio.AbstractEventLoop | None = None
         self._process: mp.process.BaseProcess | None = None
-        self._threads: list[threading.Thread] = []
+        self._writer: threading.Thread | None = None
+        self._events = None  # the events pipe's reading end, read on the event loop
+        self._frames = FrameReader()
+        self._ended = threading.Event()  # the events pipe said its last (stopped, failed, EOF)
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -83,13 +90,13 @@ class EngineLoop:
         self._process.start()
         cmd_read.close()  # the child's ends: EOF reaches each side once the other is gone
         ev_write.close()
-        self._threads = [
-            threading.Thread(target=self._write, args=(cmd_write,), name="graphexec-commands",
-                             daemon=True),
-            threading.Thread(target=self._read, args=(ev_read,), name="graphexec-events",
-                             daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._writer = threading.Thread(target=self._write, args=(cmd_write,),
+                                        name="graphexec-commands", daemon=True)
+        self._writer.start()
+        self._events = ev_read
+        os.set_blocking(ev_read.fileno(), False)
+        _widen(ev_read.fileno())
+        aio_loop.add_reader(ev_read.fileno(), self._on_readable)
 
     @property
     def serving(self) -> bool:
@@ -101,12 +108,11 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: list[int], params, sink: Sink, index: int) -> None:
         """Non-blocking. The answer (Admitted or Rejected) arrives at the sink."""
-        with self._lock:
-            if not self._closed:
-                self._pending += 1
-                self._routes[request_id] = _Route(sink, index)
-                self._outbox.put(Add(request_id, prompt, params, index))
-                return
+        if not self._closed:
+            self._pending += 1
+            self._routes[request_id] = _Route(sink, index)
+            self._outbox.put(Add(request_id, prompt, params, index))
+            return
         sink.put(Rejected(index, "the server is shutting down", 503))
 
     def abort(self, request_id: str) -> None:
@@ -118,12 +124,14 @@ class EngineLoop:
         self._outbox.put(Drain(grace))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Blocking: the engine aborts what is left and closes; the process is joined."""
+        """Blocking, off the event loop (which goes on reading the engine's last events): the
+        engine aborts what is left and closes; the process is joined."""
         if self.phase is Phase.SERVING:
             self.phase = Phase.STOPPING
         self._outbox.put(Stop())
-        for t in self._threads:
-            t.join(timeout)
+        if self._writer is not None:
+            self._writer.join(timeout)
+            self._ended.wait(timeout)
         if self._process is not None:
             self._process.join(timeout)
             if self._process.is_alive():
@@ -131,7 +139,7 @@ class EngineLoop:
                 self._process.kill()
                 self._process.join()
 
-    # -- the writer and reader threads ----------------------------------------------------------
+    # -- the writer thread, and the events pipe on the event loop ------------------------------
 
     def _write(self, conn) -> None:
         try:
@@ -141,75 +149,87 @@ class EngineLoop:
                 if isinstance(cmd, Stop):
                     break
         except (OSError, ValueError):
-            pass  # the engine process is gone; the reader reports it
+            pass  # the engine process is gone; the events pipe's EOF reports it
         finally:
             conn.close()
 
-    def _read(self, conn) -> None:
+    def _on_readable(self) -> None:
         try:
-            while True:
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "ready":
-                    self.info, self.snapshot = msg[1], msg[2]
-                    self.phase = Phase.SERVING
-                    log.info("engine ready: max_model_len=%d, %d KV blocks",
-                             self.info.max_model_len, self.info.kv_blocks)
-                elif kind == "events":
-                    self.snapshot = msg[2]
-                    self._deliver(self._route(msg[1]))
-                elif kind == "stopped":
-                    self.phase = Phase.STOPPED
-                    self._refuse_rest("the server is shutting down", 503)
-                    return
-                elif kind == "failed":
-                    self._fail(RuntimeError(msg[1]))
-                    return
-        except (EOFError, OSError) as e:
-            code = self._process.exitcode if self._process is not None else None
-            self._fail(RuntimeError(f"the engine process ended unexpectedly (exit code "
-                                    f"{code}): {type(e).__name__}"))
-        finally:
-            conn.close()
+            data = os.read(self._events.fileno(), 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._lost(e)
+            return
+        if not data:
+            self._lost(EOFError())
+            return
+        for msg in self._frames.feed(data):
+            if self._ended.is_set():
+                return
+            self._receive(msg)
+
+    def _receive(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "events":
+            self.snapshot = msg[2]
+            self._hand_over(self._route(msg[1]))
+        elif kind == "ready":
+            self.info, self.snapshot = msg[1], msg[2]
+            self.phase = Phase.SERVING
+            log.info("engine ready: max_model_len=%d, %d KV blocks",
+                     self.info.max_model_len, self.info.kv_blocks)
+        elif kind == "stopped":
+            self._close_events()
+            self.phase = Phase.STOPPED
+            self._refuse_rest("the server is shutting down", 503)
+        elif kind == "failed":
+            self._close_events()
+            self._fail(RuntimeError(msg[1]))
+
+    def _lost(self, e: BaseException) -> None:
+        self._close_events()
+        code = self._process.exitcode if self._process is not None else None
+        self._fail(RuntimeError(f"the engine process ended unexpectedly (exit code "
+                                f"{code}): {type(e).__name__}"))
+
+    def _close_events(self) -> None:
+        """The events pipe's last word came: nothing more is read from it."""
+        if self._aio is not None and not self._aio.is_closed():
+            self._aio.remove_reader(self._events.fileno())
+        self._events.close()
+        self._ended.set()
 
     def _route(self, events: list[tuple[str, Event]]) -> list[tuple[Sink, Event]]:
         out = []
-        with self._lock:
-            for rid, ev in events:
-                route = self._routes.get(rid)
-                if route is None:
-                    continue
-                if isinstance(ev, (Admitted, Rejected)) and not route.answered:
-                    route.answered = True
-                    self._pending -= 1
-                if isinstance(ev, Rejected) or getattr(ev, "finish_reason", None) is not None:
-                    del self._routes[rid]
-                out.append((route.sink, ev))
+        routes = self._routes
+        for rid, ev in events:
+            route = routes.get(rid)
+            if route is None:
+                continue
+            if isinstance(ev, (Admitted, Rejected)) and not route.answered:
+                route.answered = True
+                self._pending -= 1
+            if isinstance(ev, Rejected) or getattr(ev, "finish_reason", None) is not None:
+                del routes[rid]
+            out.append((route.sink, ev))
         return out
-
-    def _deliver(self, events: list[tuple[Sink, Event]]) -> None:
-        if not events or self._aio is None:
-            return
-        try:  # one wake-up of the event loop per iteration, whatever the batch size
-            self._aio.call_soon_threadsafe(self._hand_over, events)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is left to read them
 
     def _hand_over(self, events: list[tuple[Sink, Event]]) -> None:
         now = time.monotonic()
+        observe = self.observer
         for sink, ev in events:
             sink.put(ev)
-            if self.observer is not None:
-                self.observer(sink, ev, now)
+            if observe is not None:
+                observe(sink, ev, now)
 
     def _refuse_rest(self, message: str, status: int) -> None:
         """Every request still routed gets Rejected, and nothing more is accepted."""
-        with self._lock:
-            self._closed = True
-            rest = [(r.sink, Rejected(r.index, message, status)) for r in self._routes.values()]
-            self._routes.clear()
-            self._pending = 0
-        self._deliver(rest)
+        self._closed = True
+        rest = [(r.sink, Rejected(r.index, message, status)) for r in self._routes.values()]
+        self._routes.clear()
+        self._pending = 0
+        self._hand_over(rest)
 
     def _fail(self, error: BaseException) -> None:
         log.error("the engine failed: %s", error)
@@ -219,3 +239,15 @@ class EngineLoop:
         if self.on_fatal is not None:
             self.on_fatal()
 
+
+# The events pipe's capacity where Linux allows it (its usual cap, 1 MiB: some fifty
+# iterations of 256 requests). The event loop reads it between other work; while a piece of
+# that work runs long, the engine goes on stepping into the pipe instead of waiting on it.
+_PIPE_BYTES = 1 << 20
+
+
+def _widen(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (AttributeError, OSError):  # not Linux, or above the system's cap: as it was
+        pass

@@ -31,7 +31,6 @@ class Replicas:
                       for r, f in enumerate(factories)]
         self.routed: Counter = Counter()  # ("prefix" | "load", replica) -> requests
         self.hit_blocks = 0  # prompt blocks routed to a replica thought to hold them
-        self._lock = threading.Lock()  # the failure callbacks come from reader threads
 
     # -- what the routes and the app use, as of one EngineLoop -----------------------------------
 
@@ -125,10 +124,9 @@ class Replicas:
         """A replica that dies while serving leaves the others serving; one that never started
         (a bad device, no memory) ends the server, as a single engine's failure would, rather
         than leave it at a fraction of what was asked for."""
-        with self._lock:
-            self.router.forget(replica)
-            never_served = self.loops[replica].info is None
-            gone = all(loop.phase is Phase.FAILED for loop in self.loops)
+        self.router.forget(replica)  # on the event loop, as every other use of the router
+        never_served = self.loops[replica].info is None
+        gone = all(loop.phase is Phase.FAILED for loop in self.loops)
         if (gone or never_served) and self.on_fatal is not None:
             self.on_fatal()
 
