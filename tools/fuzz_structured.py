@@ -5,6 +5,10 @@ by EOS but does not parse, validate or fullmatch). Exits 1 on any violation.
     python tools/fuzz_structured.py --requests 2000 --device cuda            # async, graphs
     python tools/fuzz_structured.py --requests 200 --device cpu --sync
     python tools/fuzz_structured.py --requests 2000 --device cuda --spec self:15 --k 3
+    python tools/fuzz_structured.py --model llama-1b --synthetic-tokenizer --device cuda
+
+A preset ships no tokenizer: --synthetic-tokenizer gives it one trained to its vocabulary
+(tools/synthetic_tokenizer.py), for a GPU machine that has no model files.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from graphexec import Engine, SpeculativeConfig  # noqa: E402
 from test_structured_outputs import MODEL, _requests, check_output  # noqa: E402
@@ -30,6 +35,9 @@ def main() -> int:
     ap.add_argument("--spec", default=None,
                     help="speculative decoding with this draft (self:N, a preset, a directory)")
     ap.add_argument("--k", type=int, default=3, help="with --spec: tokens drafted per step")
+    ap.add_argument("--synthetic-tokenizer", action="store_true",
+                    help="a preset model: encode, decode and compile grammars with a BPE "
+                         "trained to its vocabulary")
     args = ap.parse_args()
     opts = dict(max_model_len=512, max_batch=args.batch, async_scheduling=not args.sync)
     if args.spec:
@@ -37,6 +45,10 @@ def main() -> int:
     if args.device:
         opts["device"] = args.device
     engine = Engine(args.model, **opts)
+    if args.synthetic_tokenizer:
+        import synthetic_tokenizer
+
+        engine.tokenizer = synthetic_tokenizer.for_model(args.model)
     eos = engine.model_config.eos_token_ids[0]
     reqs = _requests(args.requests, seed=args.seed)
     checks = {rid: (sp, check) for rid, _, sp, check in reqs}
