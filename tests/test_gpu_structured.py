@@ -24,7 +24,7 @@ def _graphs_equal_eager(reqs: list, variant: Variant, **extra) -> tuple[Engine, 
     assert engine.runner.graphs.has(8, variant)
     graphs = run_engine(engine, params)
     _same(eager, graphs)
-    eos = engine.model_config.eos_token_ids[0]
+    eos = engine.model_config.eos_token_ids
     assert sum(check_output(graphs[rid], sp, c, eos) for rid, _, sp, c in reqs) >= len(reqs) // 3
     return engine, graphs
 

@@ -59,7 +59,7 @@ def _requests(n: int, seed: int, lengths=(40, 80)) -> list[tuple[str, str, Sampl
     return out
 
 
-def check_output(out, params: SamplingParams, check, eos: int) -> bool:
+def check_output(out, params: SamplingParams, check, eos_ids) -> bool:
     """Whether the output is complete: it then parses and validates (raises otherwise). An
     output cut by max_tokens is a prefix and is not checked whole."""
     if check is None:
@@ -67,7 +67,9 @@ def check_output(out, params: SamplingParams, check, eos: int) -> bool:
     if out.finish_reason != "stop":
         assert out.finish_reason == "length", out.finish_reason
         return False
-    assert out.token_ids[-1] == eos  # ended by EOS, which the grammar allowed only here
+    # ended by an end-of-sequence id (a model may have several), which the grammar allowed
+    # only here
+    assert out.token_ids[-1] in eos_ids, out.token_ids[-1]
     kind, arg = check
     text = out.text
     if kind == "json":
@@ -91,7 +93,7 @@ def test_random_schemas_validate_and_async_equals_sync(sync_engine):
     engine = Engine(MODEL, max_model_len=512, max_batch=8, max_num_batched_tokens=64)
     asyn = run_engine(engine, params)
     _same(sync, asyn)
-    eos = engine.model_config.eos_token_ids[0]
+    eos = engine.model_config.eos_token_ids
     complete = sum(check_output(sync[rid], sp, check, eos) for rid, _, sp, check in reqs)
     assert complete >= 6, complete
     assert engine.stats.grammar_waits > 0
@@ -109,7 +111,7 @@ def test_pause_and_eviction_keep_the_grammar():
     tight = Engine(MODEL, max_model_len=512, max_batch=8, block_size=4, num_kv_blocks=30)
     _same(ample, run_engine(tight, params))
     assert tight.scheduler.stats.pauses + tight.scheduler.stats.evictions > 0
-    eos = tight.model_config.eos_token_ids[0]
+    eos = tight.model_config.eos_token_ids
     assert sum(check_output(ample[rid], sp, c, eos) for rid, _, sp, c in reqs) >= 3
 
 
@@ -152,3 +154,24 @@ def test_structured_outputs_need_a_tokenizer():
     with pytest.raises(ValueError, match="structured_outputs"):
         Engine("tiny").add_request("x", [1, 2], SamplingParams(
             structured_outputs=S(json_object=True)))
+
+
+def test_length_bounded_strings_refuse_control_characters():
+    """A string with maxLength accepts no raw control character (xgrammar 0.2.8's own rule for
+    bounded strings does; graphexec spells the bounds as a pattern). Oracle: json.loads."""
+    from graphexec.structured import Grammars, StructuredOutputsParams
+
+    grammars = Grammars.for_vocab([chr(i) for i in range(128)], stop_token_ids=[0])
+    schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 3}},
+              "required": ["c"], "additionalProperties": False}
+
+    def accepts(text: str) -> bool:
+        row = grammars.matcher(StructuredOutputsParams(json=schema))
+        for ch in text:
+            row.accept(ord(ch))
+        return row.rejected == 0
+
+    for text in ['{"c": "a\x07"}', '{"c": "\t"}', '{"c": "abcd"}']:
+        assert not accepts(text), repr(text)
+    for text in ['{"c": "ab"}', '{"c": ""}']:
+        assert accepts(text) and json.loads(text)["c"] == text[7:-2]

@@ -49,7 +49,7 @@ def main() -> int:
         import synthetic_tokenizer
 
         engine.tokenizer = synthetic_tokenizer.for_model(args.model)
-    eos = engine.model_config.eos_token_ids[0]
+    eos = engine.model_config.eos_token_ids
     reqs = _requests(args.requests, seed=args.seed)
     checks = {rid: (sp, check) for rid, _, sp, check in reqs}
     t0 = time.perf_counter()
