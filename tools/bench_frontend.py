@@ -215,6 +215,8 @@ def main() -> None:
     server = ctx.Process(target=target, args=sargs)
     server.start()
     while True:
+        if not server.is_alive():  # it failed to start (its error is on stderr above)
+            sys.exit(f"the server process ended with exit code {server.exitcode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 break
