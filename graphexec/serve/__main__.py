@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
     server: _Server | None = None
 
-    def on_fatal() -> None:  # from the event reader thread; uvicorn polls should_exit
+    def on_fatal() -> None:  # runs on the event loop; uvicorn polls should_exit
         if server is not None:
             server.should_exit = True
 

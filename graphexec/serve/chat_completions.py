@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the conversation rendered with the model's chat template."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -12,7 +13,7 @@ from .generation import ClientGone, Generation, GenerationStream, Job, until_dis
 from .params import chat_fields, check_common, sampling_params
 from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
-from .render import (Choice, TokenText, aborted_error, collect, created, new_id,
+from .render import (ChunkFrame, Choice, TokenText, aborted_error, collect, created, new_id,
                      prompt_logprobs_json, prompt_tokens_of, sse_body, usage)
 from .state import ServerState
 from .tool_parsers import CallArguments, CallStart, Content, Event, ToolCallParser
@@ -93,9 +94,11 @@ def _choice(index: int, c: Choice, fmt: "_Logprobs | None", return_ids: bool,
 
 
 async def _chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_ids: bool,
-                  totals: list[int], tools: ToolMode | None = None) -> AsyncIterator[dict]:
+                  totals: list[int], tools: ToolMode | None = None
+                  ) -> AsyncIterator[dict | str]:
     # The role comes first, once per choice, as OpenAI streams it.
     calls = _StreamedCalls(tools, len(gen.jobs)) if tools is not None else None
+    frame = ChunkFrame(head)  # the head encoded once for the stream's chunks
     for i in range(len(gen.jobs)):
         delta = {"role": "assistant", "content": ""} if calls is None else calls.first(i)
         yield {**head, "choices": [{"index": i, "delta": delta,
@@ -115,7 +118,7 @@ async def _chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_i
                   "finish_reason": finish}
         if return_ids:
             choice["token_ids"] = d.token_ids
-        yield {**head, "choices": [choice]}
+        yield frame.event(json.dumps(choice, separators=(",", ":")))
 
 
 async def _parsed_chunks(gen: Generation, head: dict, fmt: "_Logprobs | None", return_ids: bool,
