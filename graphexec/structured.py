@@ -149,7 +149,9 @@ def bounded_strings_plain(schema: Any) -> Any:
     shapes it) spelled as a pattern of unescaped characters: xgrammar 0.2.8's rule for
     length-bounded strings lets raw control characters through, which no JSON parser takes
     (found by tools/fuzz_structured.py). Its pattern rule excludes them; the pattern admits a
-    subset of the strings the bounds do (no escapes), all valid JSON."""
+    subset of the strings the bounds do (no escapes), all valid JSON. It also leaves out the
+    UTF-16 surrogates, whose 3-byte forms xgrammar takes in any string: a decoder turns each
+    into three replacement characters, past the length bound."""
     if isinstance(schema, list):
         return [bounded_strings_plain(s) for s in schema]
     if not isinstance(schema, dict):
@@ -159,7 +161,7 @@ def bounded_strings_plain(schema: Any) -> Any:
     if (out.get("type") == "string" and bounded
             and not {"pattern", "format", "enum", "const"} & out.keys()):
         lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = rf'^[^"\\\x00-\x1f]{{{lo},{hi}}}$'
+        out["pattern"] = rf'^[^"\\\x00-\x1f\uD800-\uDFFF]{{{lo},{hi}}}$'
     return out
 
 
