@@ -142,13 +142,17 @@ def _w8_step(acc, ss, w, x_rows, r_rows, nw_ptr, sum_rows, K, k0, k_hi, m_ok, rs
     """One K block of fp8; ONE_PASS: the norm's input rounded once as (x + residual) * norm
     weight, its sums of squares added to ss, 1 / rms applied to the finished sums (as the bf16
     projection does, linear_triton.py): the row is read once instead of twice."""
+    # one return after the branches: Triton compiles what follows a return inside an if
     if ONE_PASS:
         ks = k0 + tl.arange(0, BLOCK_K)
         x, part = tiles._unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, ks < k_hi,
                                             m_ok, writes_sum, dtype, HAS_RES)
-        return _accumulate(acc, x, w, w, DOT, UPCAST, False), ss + part
-    return _step(acc, w, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM,
-                 HAS_RES, GATED, DOT, UPCAST, False, BLOCK_K), ss
+        acc = _accumulate(acc, x, w, w, DOT, UPCAST, False)
+        ss += part
+    else:
+        acc = _step(acc, w, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM,
+                    HAS_RES, GATED, DOT, UPCAST, False, BLOCK_K)
+    return acc, ss
 
 
 @triton.jit
