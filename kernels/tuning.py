@@ -92,8 +92,8 @@ class LinearTuning:
 
 @dataclass(frozen=True)
 class QuantLinearTuning:
-    """The quantized projections, W8A16 and W4A16 (kernels/linear_quant_triton.py). Starting
-    points, not yet measured: tools/bench.py decode --quantization times them."""
+    """The quantized projections, W8A16 and W4A16 (kernels/linear_quant_triton.py): tiles from
+    tools/lab/tune_quant_linear.py, steps timed by tools/bench.py decode --quantization."""
     # Above max_rows the weight is dequantized into a dense copy and cuBLAS runs the GEMM: a
     # prefill chunk's many rows amortise the copy, and the kernel's tiles are decode-sized.
     max_rows: int = 64
@@ -107,8 +107,8 @@ class QuantLinearTuning:
     dequant_block_n: int = 16
     dequant_block_k: int = 256
     # fp8 weights from this many rows on run W8A8 on the fp8 tensor cores (activations
-    # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off until
-    # measured, since it also rounds the activations.
+    # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off: it
+    # also rounds the activations, and measured slower than W8A16 at 1-64 rows on an H100.
     fp8_scaled_mm_min_rows: int = 0
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
@@ -126,7 +126,7 @@ class QuantLinearTuning:
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
     # int4: the same row classes; block_k is cut to the group. The kernel is bound by
     # unpacking, not by bytes: 0.2-0.3 of its floor on an H100. One row keeps CUDA-core dot
-    # products: a 16-row tile timed faster alone but slowed the decode step (its fused norm).
+    # products: a 16-row tile timed faster alone but slowed the decode step.
     int4_one_row: LinearConfig = LinearConfig(1, 16, 256)
     int4_few_rows: LinearConfig = LinearConfig(16, 32, 128)
     int4_many_rows: LinearConfig = LinearConfig(64, 64, 128, num_warps=8)
