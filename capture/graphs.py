@@ -1,5 +1,5 @@
 """One CUDA graph per (batch bucket, variant), and one per (prefill token bucket, logprobs on/off,
-penalties on/off), all in one memory pool.
+penalties on/off, grammar masks on/off), all in one memory pool.
 
 Each decode graph is the whole decode iteration (forward, sample, advance) over DecodeState's
 static buffers, so replaying it needs no host input: the host only changes the buffers (through a
@@ -33,8 +33,8 @@ class GraphSet:
     graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = field(default_factory=dict)
     reports: list[BucketReport] = field(default_factory=list)
     pool: object = None
-    # (token bucket, logprobs, penalties) -> (graph, its sample outputs)
-    prefill: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
+    # (token bucket, logprobs, penalties, grammar) -> (graph, its sample outputs)
+    prefill: dict[tuple[int, bool, bool, bool], tuple[torch.cuda.CUDAGraph, SampleOut]] = field(
         default_factory=dict)
 
     def has(self, bucket: int, variant: Variant) -> bool:
@@ -43,9 +43,9 @@ class GraphSet:
     def replay(self, bucket: int, variant: Variant) -> None:
         self.graphs[(bucket, variant)].replay()
 
-    def replay_prefill(self, tokens: int, with_logprobs: bool,
-                       penalties: bool = False) -> SampleOut:
-        graph, out = self.prefill[(tokens, with_logprobs, penalties)]
+    def replay_prefill(self, tokens: int, with_logprobs: bool, penalties: bool = False,
+                       grammar: bool = False) -> SampleOut:
+        graph, out = self.prefill[(tokens, with_logprobs, penalties, grammar)]
         graph.replay()
         return out
 
@@ -60,11 +60,13 @@ class GraphSet:
             raise RuntimeError("graphs must be captured on an empty batch")
         out = cls(pool=torch.cuda.graph_pool_handle())
         with_lp = sorted({v.logprobs for v in variants})
-        with_pen = sorted({v.penalties for v in variants})
-        todo = [(("prefill", t, lp, pen),
-                 lambda t=t, lp=lp, pen=pen: runner.padded_mixed_step(t, lp, penalties=pen))
+        # (penalties, grammar) as the variants pair them: a grammar step is a penalties one
+        pen_grammar = sorted({(v.penalties, v.grammar) for v in variants})
+        todo = [(("prefill", t, lp, pen, g),
+                 lambda t=t, lp=lp, pen=pen, g=g: runner.padded_mixed_step(t, lp, penalties=pen,
+                                                                           grammar=g))
                 for t in sorted(token_buckets, reverse=True) for lp in with_lp
-                for pen in with_pen]
+                for pen, g in pen_grammar]
         todo += [((b, v), lambda b=b, v=v: runner.iterate(b, v))
                  for b in sorted(buckets, reverse=True) for v in variants]
         bar = None

@@ -34,6 +34,8 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
     masked = ops.mask_stop_tokens(logits, state.stop_ids[rows], steps, state.min_tokens[rows],
                                   inplace=not with_logprobs)
     if grammar:
+        if state.mask_gate is not None:  # the host fills the masks while the forward runs
+            state.mask_gate.pull()
         ops.apply_token_mask(masked, state.token_mask[rows], state.mask_on[rows])
     temperature = state.temperature[rows]
     pen = state.penalties

@@ -57,6 +57,8 @@ class DecodeState:
         if penalties:
             self.token_mask = self.grammar_rows[:, :words].view(torch.int32)
             self.mask_on = self.grammar_rows[:, words]
+        # Set by a runner whose steps take their masks after launch (capture/mask_gate.py).
+        self.mask_gate = None
         # Outputs of the last step, read back by the host one step later. A step emits up to
         # tokens_per_step tokens per row (K+1 when speculating); out_count says how many.
         w, f32 = tokens_per_step, dict(device=device, dtype=torch.float32)

@@ -29,7 +29,7 @@ from .rank import memory_figures, resolve_max_model_len
 from .runner import Launched
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
-from .structured import Grammars, grammar_rows
+from .structured import Grammars, fill_grammar_rows, grammar_rows
 from .text.request_text import RequestText
 from .text.tokenizer import load_tokenizer
 
@@ -57,7 +57,9 @@ class EngineStats:
     # end every row (see Engine._all_rows_may_end_in_flight).
     settles: int = 0
     batch_size_sum: int = 0
-    # Steps read before the next plan because a grammar row needs its token for the next mask.
+    # Steps read before the next launch because a grammar row needs its token for the next
+    # mask: every grammar step without a MaskGate (speculative or tensor-parallel engines, the
+    # CPU), and with one the steps that do not replay a graph (capture/mask_gate.py).
     grammar_waits: int = 0
 
 
@@ -104,6 +106,8 @@ class Engine:
         # on a dead rank forever, and nothing will read them.
         tp_failed = self.workers is not None and self.workers.failure is not None
         if self.config.device.type == "cuda" and not tp_failed:
+            if self.runner.mask_gate is not None:  # a step may wait for masks: let it finish
+                self.runner.mask_gate.open()
             torch.cuda.synchronize(self.config.device)
         self._closed = True
         self.requests.clear()
@@ -268,12 +272,12 @@ class Engine:
         if self._all_rows_may_end_in_flight():
             self.stats.settles += 1
             self._reconcile_until(0, touched)
-        elif any(f.plan.variant.grammar for f in self.in_flight):
+        elif self.runner.mask_gate is None and self._grammar_in_flight():
             self.stats.grammar_waits += 1  # its grammar rows' next masks need its tokens
             self._reconcile_until(0, touched)
         plan = self.scheduler.schedule(self._step_id)
         if not plan.empty:
-            self._launch(plan)
+            self._launch(plan, touched)
         elif plan.delta is not None:  # every row left: nothing runs, but the rows turn inert
             self.runner.apply_delta(plan.delta)
         depth = 1 if self.config.async_scheduling and not plan.empty else 0
@@ -287,10 +291,26 @@ class Engine:
         return outputs
 
     def _reconcile_until(self, depth: int, touched: dict[str, Request]) -> None:
-        """Reads the oldest steps in flight until `depth` remain."""
+        """Reads the oldest steps in flight until `depth` remain. The oldest step left gets its
+        grammar masks now: every step before it has been read, so its matchers are current."""
         while len(self.in_flight) > depth:
-            for req in self._reconcile(self.in_flight.popleft()):
+            step = self.in_flight.popleft()
+            self._release_masks(step)  # (sync mode: the step just launched waits for them)
+            for req in self._reconcile(step):
                 touched[req.request_id] = req
+        if self.in_flight:
+            self._release_masks(self.in_flight[0])
+
+    def _release_masks(self, step: _InFlight) -> None:
+        """Fills the masks of a step that waits for them on the device (capture/mask_gate.py)
+        and lets it go on."""
+        gate, ticket = self.runner.mask_gate, step.launched.mask_ticket
+        if ticket and gate.pending(ticket):
+            fill_grammar_rows(gate.host_rows, step.plan.rows, self._grammars)
+            gate.release(ticket)
+
+    def _grammar_in_flight(self) -> bool:
+        return any(f.plan.variant.grammar for f in self.in_flight)
 
     def _all_rows_may_end_in_flight(self) -> bool:
         """Under speculation a step emits 1..K+1 tokens, so the host cannot tell whether the
@@ -304,15 +324,21 @@ class Engine:
             return False
         return all(r.may_end_in_flight for r in sched.running)
 
-    def _launch(self, plan: Plan) -> None:
+    def _launch(self, plan: Plan, touched: dict[str, Request]) -> None:
         waits = self.runner.host_waits()
         if waits > self._waits_seen:
             self.stats.chain_breaks += 1
         self._waits_seen = waits
         self.stats.batch_size_sum += len(plan.rows)
         held = self._held_grammar_rows(plan)
-        masks = (grammar_rows(plan.rows, self._grammars, held) if plan.variant.grammar
-                 else None)
+        masks = None
+        if plan.variant.grammar and not self.runner.takes_masks_later(
+                plan.delta, plan.prefills, plan.bucket, plan.variant):
+            if self.runner.mask_gate is not None and self._grammar_in_flight():
+                # an eager step under a MaskGate: its masks follow the step in flight's tokens
+                self.stats.grammar_waits += 1
+                self._reconcile_until(0, touched)
+            masks = grammar_rows(plan.rows, self._grammars, held)
         launched = self.runner.launch(plan.delta, plan.prefills, plan.bucket, plan.variant,
                                       masks)
         # Each request the step runs, with the fewest and most tokens it emits for it: the

@@ -61,7 +61,8 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
     draft = build_draft(spec, model, kv, max_len, cfg.seed) if spec is not None else None
     runner = make_runner(model, kv, cfg.max_batch, max_len, cfg.block_size,
                          scratch_block=num_blocks, draft=draft, num_spec_tokens=k,
-                         token_buckets=cfg.token_buckets)
+                         token_buckets=cfg.token_buckets,
+                         defer_masks=defers_masks(cfg, shard))
     if cfg.cuda_graphs:
         from .capture.graphs import GraphSet
 
@@ -79,6 +80,14 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
         runner.graphs = GraphSet.capture(runner, cfg.buckets, variants, cfg.token_buckets,
                                          progress=shard.rank == 0)
     return Rank(mc, kv, model, runner, num_blocks)
+
+
+def defers_masks(cfg: EngineConfig, shard: Shard) -> bool:
+    """Whether grammar steps launch before the host has their masks (capture/mask_gate.py):
+    on one CUDA device without drafts. A speculative step masks in two places, and tensor-
+    parallel workers in other processes cannot read rank 0's pinned memory; both read each
+    grammar step before launching the next instead."""
+    return cfg.device.type == "cuda" and not shard.sharded and cfg.speculative is None
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

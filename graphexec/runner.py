@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .capture.iteration import SampleOut, decode_iteration
+from .capture.mask_gate import MaskGate
 from .capture.mixed import mixed_step
 from .capture.prefill import PrefillMeta, pack_prefill
 from .capture.results import ResultRing, StepResults
@@ -35,13 +36,16 @@ class Launched:
     with_logprobs: bool
     # prompt logprobs of its chunks, in pinned memory once the step's event fired
     prompt: tuple[torch.Tensor, ...] | None = None
+    # its ticket at the runner's MaskGate: the step waits on the device for its grammar masks
+    # until the host releases them (0: none to wait for)
+    mask_ticket: int = 0
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, max_rows: int, max_model_len: int,
                  block_size: int, scratch_block: int, draft: DraftModel | None = None,
                  num_spec_tokens: int = 0, result_slots: int = 4,
-                 token_buckets: list[int] = ()):
+                 token_buckets: list[int] = (), defer_masks: bool = False):
         self.model, self.kv = model, kv
         self.draft, self.k = draft, num_spec_tokens
         # A step with prompt chunks runs them and the decode rows in one forward
@@ -56,6 +60,9 @@ class ModelRunner:
         w = num_spec_tokens + 1
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
                                  self.device, tokens_per_step=w, penalties=True)
+        # defer_masks: grammar steps launch before their masks exist (capture/mask_gate.py)
+        self.mask_gate = MaskGate(self.state.grammar_rows) if defer_masks else None
+        self.state.mask_gate = self.mask_gate
         # A step may stage two copies (its delta and its prefill): eight slots keep the one
         # being rewritten two steps behind the step in flight.
         self.h2d = H2DRing(self.device, num_slots=8)
@@ -94,17 +101,34 @@ class ModelRunner:
         """Enqueues: delta, the prefill chunks, one decode iteration over `bucket` rows (or,
         for a runner that mixes, one forward over the chunks and the decode rows), and the copy
         of the results to the step's pinned slot. Returns without waiting. grammar_rows: with
-        variant.grammar, each row's token mask and flag (DecodeState.grammar_rows' layout)."""
+        variant.grammar, each row's token mask and flag (DecodeState.grammar_rows' layout);
+        None for a step that `takes_masks_later`: it waits for the host to release them."""
         with self._mirrored("launch", delta, prefills, bucket, variant, grammar_rows):
             if delta is not None:
                 self._apply_delta(delta)
             if grammar_rows is not None:
                 self.h2d.put_into(grammar_rows.reshape(-1), self.state.grammar_rows.view(-1))
+            ticket = 0
+            if variant.grammar and grammar_rows is None:
+                ticket = self.mask_gate.arm(self.h2d, self.num_rows)
             slot = self.results.take()
             num_decode, samples = self._run(prefills, bucket, variant)
             prompt = to_pinned(samples.prompt) if samples and samples.prompt else None
             self._copy_out(slot, samples, len(prefills), num_decode, variant.logprobs)
-        return Launched(slot, len(prefills), num_decode, variant.logprobs, prompt)
+        return Launched(slot, len(prefills), num_decode, variant.logprobs, prompt, ticket)
+
+    def takes_masks_later(self, delta: StepDelta | None, prefills: list[PrefillChunk],
+                          bucket: int, variant: Variant) -> bool:
+        """Whether a grammar step can be launched before its masks exist: under a MaskGate
+        (capture/mask_gate.py), one that replays a captured graph, decode or mixed."""
+        if self.mask_gate is None or self.graphs is None:
+            return False
+        if not prefills:
+            return self.graphs.has(bucket, variant)
+        num_rows = delta.num_rows if delta is not None else self.num_rows
+        lead = num_rows - sum(c.row is not None for c in prefills)  # as _run counts them
+        tokens = self._token_bucket(prefills, lead)
+        return (tokens, variant.logprobs, variant.penalties, variant.grammar) in self.graphs.prefill
 
     def apply_delta(self, delta: StepDelta) -> None:
         """Enqueues the batch change alone. Also for a step that runs nothing: rows that left
@@ -174,11 +198,8 @@ class ModelRunner:
         lead = num_decode or 0
         num_tokens = lead + sum(len(c.token_ids) for c in chunks)
         st = self.state
-        tokens = None
-        # prompt logprobs need every position's logits: a shape no graph holds
         prompt = any(c.logprob_targets for c in chunks)
-        if self.prefill_buffer is not None and len(chunks) <= MAX_PREFILL_SEQS and not prompt:
-            tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
+        tokens = self._token_bucket(chunks, lead)
         if tokens is None:
             cols = max(len(c.blocks) for c in chunks)
             ints = pack_prefill(chunks, num_tokens, len(chunks), cols, self.block_size,
@@ -193,12 +214,21 @@ class ModelRunner:
                                         with_logprobs, lead, penalties, rows, grammar)
         ints = pack_prefill(chunks, tokens, MAX_PREFILL_SEQS, st.max_cols, self.block_size,
                             self.scratch_block, st.inert_row, lead)
-        key = (tokens, with_logprobs, penalties)
-        # a grammar's masks: eager, at the graphs' shapes (no mixed graph applies them yet)
-        if self.graphs is not None and key in self.graphs.prefill and not grammar:
+        key = (tokens, with_logprobs, penalties, grammar)
+        if self.graphs is not None and key in self.graphs.prefill:
             self.h2d.put_into(ints, self.prefill_buffer)
             return self.graphs.replay_prefill(*key)
         return self.padded_mixed_step(tokens, with_logprobs, ints, penalties, grammar)
+
+    def _token_bucket(self, chunks: list[PrefillChunk], lead: int) -> int | None:
+        """The token bucket a step of these chunks after `lead` decode rows pads to; None: it
+        runs eagerly at its exact size (the CPU, too many chunks, prompt logprobs, which need
+        every position's logits: a shape no graph holds)."""
+        if (self.prefill_buffer is None or len(chunks) > MAX_PREFILL_SEQS
+                or any(c.logprob_targets for c in chunks)):
+            return None
+        num_tokens = lead + sum(len(c.token_ids) for c in chunks)
+        return next((t for t in self.token_buckets if t >= num_tokens), None)
 
     def padded_mixed_step(self, tokens: int, with_logprobs: bool,
                           ints: np.ndarray | None = None,

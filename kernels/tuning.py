@@ -236,6 +236,9 @@ class SamplingTuning:
     # of min_p's) takes, and its warps.
     penalty_block: int = 2048
     penalty_warps: int = 4
+    # Grammar masks copied from pinned memory once the host releases them
+    # (kernels/mask_gate_triton.py): int64 words a program copies.
+    mask_copy_block: int = 4096
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,6 @@ def test_captured_penalties_equal_sync_eager():
     engine = _engine(async_scheduling=True, cuda_graphs=True)
     graphs = engine.runner.graphs
     assert graphs.has(8, Variant(False, True, penalties=True))
-    assert (64, False, True) in graphs.prefill
+    assert (64, False, True, False) in graphs.prefill
     _same(eager, run_engine(engine, reqs))
 

@@ -473,3 +473,19 @@ def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
     for name, kernel in kernels:
         assert kernel.metadata.launch_pdl, name
         assert not re.search(r"ld\.global|st\.global", _before_wait(kernel.asm["ptx"])), name
+
+
+def test_mask_gate_polls_the_host_flag_with_a_deadline(compiled):
+    """kernels/mask_gate_triton.py for sm_90: the flag is polled with volatile loads (each poll
+    re-reads host memory), the mask words are read volatile too (after the flag, never from a
+    cache), and the wait has its deadline and trap."""
+    from graphexec.kernels.mask_gate_triton import await_masks
+
+    rows = torch.zeros(65, 128256 // 64 + 1, dtype=torch.int64)
+    await_masks(torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), rows,
+                torch.zeros_like(rows))
+    (name, kernel), = compiled
+    ptx = kernel.asm["ptx"]
+    assert name == "_await_masks_kernel"
+    assert len(re.findall(r"ld\.volatile\.global", ptx)) >= 2, "polls and words from the bus"
+    assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"

@@ -1,0 +1,72 @@
+"""Grammar masks that reach a step after it was launched.
+
+A grammar row's mask at step n + 1 follows its token of step n, which the host reads only once
+step n is done. Reading step n before launching n + 1 leaves the GPU idle while the host
+reconciles, plans, fills the masks and launches. Instead, on one CUDA device without drafts, a
+step that replays a captured graph (decode or mixed) is launched at once, armed with a ticket.
+Its forward runs while the host reads step n, advances the matchers and fills the masks into
+pinned memory here; then the host raises a flag to the ticket. Before masking, the step waits
+on the device for the flag and copies the rows in (kernels/mask_gate_triton.py).
+
+Only graphs wait. An eager step would have the host launch kernels between the wait and the
+release, and a kernel's first launch loads its module, which waits for the device: a deadlock
+(found on the H100 with eager mixed steps). Eager grammar steps read the step in flight and get
+their masks before launch instead.
+
+One pinned buffer is enough. The host fills the masks of step n + 1 only after it has read step
+n, so step n's copy is done, and step n + 1's copy waits for the flag. The flag holds the last
+ticket released and tickets only grow, so a flag raised for an earlier step never lets a later
+one through.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.mask_gate_triton import await_masks
+from .staging import H2DRing
+
+_OPEN = 1 << 62  # a ticket no step reaches: lets every waiting step through
+
+
+class MaskGate:
+    def __init__(self, rows: torch.Tensor):
+        """rows: DecodeState.grammar_rows, the device buffer the masking kernels read."""
+        self.rows = rows
+        self.host = torch.zeros(rows.shape, dtype=torch.int64, pin_memory=True)
+        self.host_rows = self.host.numpy()
+        # the last ticket released, which the device polls
+        self.flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._flag = self.flag.numpy()
+        self.want = torch.zeros(2, dtype=torch.int64, device=rows.device)  # [ticket, words]
+        self.issued = 0
+        self.released = 0
+
+    def pull(self) -> None:
+        """Captures the wait and the copy into the device rows; eager steps skip it (the
+        module docstring says why) and get their masks before launch."""
+        if torch.cuda.is_current_stream_capturing():
+            await_masks(self.flag, self.want, self.host, self.rows)
+
+    def arm(self, h2d: H2DRing, num_rows: int) -> int:
+        """Enqueues the ticket of the step about to launch, whose first num_rows rows hold
+        masks; returns the ticket."""
+        self.issued += 1
+        h2d.put_into(np.array([self.issued, num_rows * self.rows.shape[1]], dtype=np.int64),
+                     self.want)
+        return self.issued
+
+    def pending(self, ticket: int) -> bool:
+        return ticket > self.released
+
+    def release(self, ticket: int) -> None:
+        """The step holding `ticket` may read host_rows (filled by the caller) now."""
+        if ticket != self.released + 1:
+            raise RuntimeError(f"mask ticket {ticket} released out of order "
+                               f"(last {self.released})")
+        self.released = ticket
+        self._flag[0] = ticket
+
+    def open(self) -> None:
+        """Lets every armed step through (closing an engine with steps still waiting)."""
+        self._flag[0] = _OPEN

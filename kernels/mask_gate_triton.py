@@ -1,0 +1,62 @@
+"""Triton wait for a step's grammar masks: the same result as kernels/mask_gate.py, but the
+device waits for the host's flag instead of requiring it.
+
+Each program that has words to copy polls the flag in pinned host memory (volatile loads, so
+every poll crosses the bus, reduced over the program so its warps leave the loop together) until
+it reaches the step's ticket, then copies its block of the mask rows from pinned memory to the
+device. Programs past the rows in use return at once, so the grid is sized for the largest batch
+and captured.
+
+Deadline: a wait that outlasts timeout_s traps, as the all-reduce's does
+(kernels/all_reduce_triton.py). The host releases each step's masks right after reading the
+step before, so only a host that stopped (a bug, a process torn down mid-step) gets there; the
+failed CUDA context makes the engine raise at its next step, rather than sample under stale
+masks or hang the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .all_reduce_triton import _now_ns, _trap
+from .tuning import DEFAULT, SamplingTuning
+
+TIMEOUT_S = 60.0
+
+
+@triton.jit
+def _await_masks_kernel(flag_ptr, want_ptr, src_ptr, dst_ptr, timeout_ns,
+                        BLOCK: tl.constexpr, THREADS: tl.constexpr):
+    n = tl.load(want_ptr + 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < n:
+        ticket = tl.load(want_ptr)
+        lanes = tl.arange(0, THREADS)
+        seen = tl.min(tl.load(flag_ptr + lanes * 0, volatile=True), axis=0)
+        late = tl.full([], 0, tl.int32)
+        deadline = tl.full([], 0, tl.int64)  # set at the first poll that finds it down
+        while (seen < ticket) & (late == 0):
+            now = _now_ns(THREADS)
+            deadline = tl.where(deadline == 0, now + timeout_ns, deadline)
+            late = (now > deadline).to(tl.int32)
+            seen = tl.min(tl.load(flag_ptr + lanes * 0, volatile=True), axis=0)
+        if seen < ticket:
+            _trap()
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n
+        # volatile: read after the flag, from the bus, never from a cache
+        words = tl.load(src_ptr + offs, mask=inb, other=0, volatile=True)
+        tl.store(dst_ptr + offs, words, mask=inb)
+
+
+def await_masks(flag: torch.Tensor, want: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                *, tuning: SamplingTuning = DEFAULT.sampling,
+                timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+    """flag and src in pinned host memory, want and dst on the device (shapes as the
+    reference's)."""
+    block, warps = tuning.mask_copy_block, 4
+    grid = (triton.cdiv(dst.numel(), block),)
+    _await_masks_kernel[grid](flag, want, src, dst, int(timeout_s * 1e9), BLOCK=block,
+                              THREADS=32 * warps, num_warps=warps)
+    return dst
