@@ -20,25 +20,25 @@ one through.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..kernels.mask_gate_triton import await_masks
-from .staging import H2DRing
 
 _OPEN = 1 << 62  # a ticket no step reaches: lets every waiting step through
 
 
 class MaskGate:
-    def __init__(self, rows: torch.Tensor):
-        """rows: DecodeState.grammar_rows, the device buffer the masking kernels read."""
-        self.rows = rows
+    def __init__(self, rows: torch.Tensor, num_rows: torch.Tensor):
+        """rows: DecodeState.grammar_rows, the device buffer the masking kernels read;
+        num_rows: DecodeState.num_rows, how many of them a step's masks cover."""
+        self.rows, self.num_rows = rows, num_rows
         self.host = torch.zeros(rows.shape, dtype=torch.int64, pin_memory=True)
         self.host_rows = self.host.numpy()
         # the last ticket released, which the device polls
         self.flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._flag = self.flag.numpy()
-        self.want = torch.zeros(2, dtype=torch.int64, device=rows.device)  # [ticket, words]
+        # tickets the device has gone through: each waiting step's is the next one
+        self.passed = torch.zeros(1, dtype=torch.int64, device=rows.device)
         self.issued = 0
         self.released = 0
 
@@ -46,14 +46,11 @@ class MaskGate:
         """Captures the wait and the copy into the device rows; eager steps skip it (the
         module docstring says why) and get their masks before launch."""
         if torch.cuda.is_current_stream_capturing():
-            await_masks(self.flag, self.want, self.host, self.rows)
+            await_masks(self.flag, self.passed, self.num_rows, self.host, self.rows)
 
-    def arm(self, h2d: H2DRing, num_rows: int) -> int:
-        """Enqueues the ticket of the step about to launch, whose first num_rows rows hold
-        masks; returns the ticket."""
+    def arm(self) -> int:
+        """The ticket of a step about to replay a graph that waits for its masks."""
         self.issued += 1
-        h2d.put_into(np.array([self.issued, num_rows * self.rows.shape[1]], dtype=np.int64),
-                     self.want)
         return self.issued
 
     def pending(self, ticket: int) -> bool:

@@ -59,8 +59,8 @@ class Variant(NamedTuple):
     # launches none of their kernels.
     penalties: bool = False
     # Some row follows a grammar (graphexec/structured.py): the step applies the token masks
-    # the host wrote for it. Captured only together with penalties (whose kernels skip rows
-    # without a slot), so the scheduler sets both.
+    # the host wrote for it. A speculative engine captures it only together with penalties
+    # (whose kernels skip rows without a slot), so its scheduler sets both.
     grammar: bool = False
 
 

@@ -75,6 +75,8 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
         sampled = (True, False) if k else (True,)
         variants += [Variant(lp, s, sampled=s, penalties=True, grammar=g) for lp in with_lp
                      for s in sampled for g in (False, True)]
+        if not k:  # grammar rows without penalties skip their kernels
+            variants += [Variant(lp, True, penalties=False, grammar=True) for lp in with_lp]
         # Every rank captures the same graphs in the same order: the all-reduces inside them
         # pair up across ranks.
         runner.graphs = GraphSet.capture(runner, cfg.buckets, variants, cfg.token_buckets,

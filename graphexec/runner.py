@@ -61,7 +61,8 @@ class ModelRunner:
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
                                  self.device, tokens_per_step=w, penalties=True)
         # defer_masks: grammar steps launch before their masks exist (capture/mask_gate.py)
-        self.mask_gate = MaskGate(self.state.grammar_rows) if defer_masks else None
+        self.mask_gate = (MaskGate(self.state.grammar_rows, self.state.num_rows) if defer_masks
+                          else None)
         self.state.mask_gate = self.mask_gate
         # A step may stage two copies (its delta and its prefill): eight slots keep the one
         # being rewritten two steps behind the step in flight.
@@ -110,7 +111,7 @@ class ModelRunner:
                 self.h2d.put_into(grammar_rows.reshape(-1), self.state.grammar_rows.view(-1))
             ticket = 0
             if variant.grammar and grammar_rows is None:
-                ticket = self.mask_gate.arm(self.h2d, self.num_rows)
+                ticket = self.mask_gate.arm()
             slot = self.results.take()
             num_decode, samples = self._run(prefills, bucket, variant)
             prompt = to_pinned(samples.prompt) if samples and samples.prompt else None

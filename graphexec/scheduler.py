@@ -106,14 +106,17 @@ class Scheduler:
     def _variant(self) -> Variant:
         logprobs = any(r.params.logprobs is not None for r in self.running)
         grammar = any(r.grammar is not None for r in self.running)
-        penalties = grammar or any(r.params.uses_penalties for r in self.running)
+        # a speculative step masks its verify beside the penalties (capture/spec_controls.py)
+        penalties = (grammar and self.spec_tokens > 0) or any(r.params.uses_penalties
+                                                               for r in self.running)
         if self.spec_tokens and all(r.params.temperature == 0 for r in self.running):
             # filters: greedy ignores them
             return Variant(logprobs, filters=False, sampled=False, penalties=penalties,
                            grammar=grammar)
-        # plain decoding ignores `filters`; the penalties variant is captured with it on only
-        return Variant(logprobs, filters=penalties or any(r.top_k > 0 or r.params.top_p < 1
-                                                          for r in self.running),
+        # plain decoding ignores `filters`; the penalties and grammar variants are captured
+        # with it on only
+        return Variant(logprobs, filters=penalties or grammar or any(
+                           r.top_k > 0 or r.params.top_p < 1 for r in self.running),
                        penalties=penalties, grammar=grammar)
 
     def _missing_blocks(self, req: Request) -> int:

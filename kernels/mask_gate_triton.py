@@ -26,12 +26,12 @@ TIMEOUT_S = 60.0
 
 
 @triton.jit
-def _await_masks_kernel(flag_ptr, want_ptr, src_ptr, dst_ptr, timeout_ns,
-                        BLOCK: tl.constexpr, THREADS: tl.constexpr):
-    n = tl.load(want_ptr + 1)
+def _await_masks_kernel(flag_ptr, passed_ptr, num_rows_ptr, src_ptr, dst_ptr, row_words,
+                        timeout_ns, BLOCK: tl.constexpr, THREADS: tl.constexpr):
+    n = tl.load(num_rows_ptr) * row_words
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if start < n:
-        ticket = tl.load(want_ptr)
+        ticket = tl.load(passed_ptr) + 1
         lanes = tl.arange(0, THREADS)
         seen = tl.min(tl.load(flag_ptr + lanes * 0, volatile=True), axis=0)
         late = tl.full([], 0, tl.int32)
@@ -50,13 +50,16 @@ def _await_masks_kernel(flag_ptr, want_ptr, src_ptr, dst_ptr, timeout_ns,
         tl.store(dst_ptr + offs, words, mask=inb)
 
 
-def await_masks(flag: torch.Tensor, want: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                *, tuning: SamplingTuning = DEFAULT.sampling,
+def await_masks(flag: torch.Tensor, passed: torch.Tensor, num_rows: torch.Tensor,
+                src: torch.Tensor, dst: torch.Tensor, *,
+                tuning: SamplingTuning = DEFAULT.sampling,
                 timeout_s: float = TIMEOUT_S) -> torch.Tensor:
-    """flag and src in pinned host memory, want and dst on the device (shapes as the
-    reference's)."""
+    """flag and src in pinned host memory, passed, num_rows and dst on the device (shapes as
+    the reference's)."""
     block, warps = tuning.mask_copy_block, 4
     grid = (triton.cdiv(dst.numel(), block),)
-    _await_masks_kernel[grid](flag, want, src, dst, int(timeout_s * 1e9), BLOCK=block,
-                              THREADS=32 * warps, num_warps=warps)
+    _await_masks_kernel[grid](flag, passed, num_rows, src, dst, dst.shape[1],
+                              int(timeout_s * 1e9), BLOCK=block, THREADS=32 * warps,
+                              num_warps=warps)
+    passed.add_(1)  # after every program read it
     return dst

@@ -122,22 +122,27 @@ def _captured_pull(gate):
     return graph
 
 
+def _gate(rows: int, words: int):
+    from graphexec.capture.mask_gate import MaskGate
+
+    return MaskGate(torch.zeros(rows, words, dtype=torch.int64, device="cuda"),
+                    torch.zeros(1, dtype=torch.int64, device="cuda"))
+
+
 def test_the_device_waits_for_the_flag():
     """kernels/mask_gate_triton.py in a graph: the copy does not happen before the host raises
     the flag to the step's ticket, a flag at an earlier ticket lets nothing through, and once
-    raised the rows arrive whole (against the reference's copy)."""
-    from graphexec.capture.mask_gate import MaskGate
-    from graphexec.capture.staging import H2DRing
+    raised the rows in use arrive whole (against the reference's copy)."""
     from graphexec.kernels.mask_gate import await_masks_ref
 
-    rows = torch.zeros(9, 2005, dtype=torch.int64, device="cuda")
-    gate, h2d = MaskGate(rows), H2DRing(rows.device)
+    gate = _gate(9, 2005)
     graph = _captured_pull(gate)
     rng = np.random.default_rng(0)
     for step, num_rows in enumerate((9, 4)):
         gate.host_rows[:] = rng.integers(-2**62, 2**62, size=gate.host_rows.shape)
-        ticket = gate.arm(h2d, num_rows)
-        before = rows.clone()
+        gate.num_rows.fill_(num_rows)
+        ticket = gate.arm()
+        before, passed = gate.rows.cpu(), gate.passed.cpu()
         graph.replay()
         done = torch.cuda.Event()
         done.record()
@@ -147,21 +152,19 @@ def test_the_device_waits_for_the_flag():
             assert gate.flag.item() == ticket - 1
         gate.release(ticket)
         done.synchronize()
-        want = await_masks_ref(gate.flag, gate.want.cpu(), gate.host, before.cpu())
-        assert torch.equal(rows.cpu(), want)
+        want = await_masks_ref(gate.flag, passed, gate.num_rows.cpu(), gate.host, before)
+        assert torch.equal(gate.rows.cpu(), want)
+        assert int(gate.passed) == int(passed) == ticket
 
 
 def test_a_release_from_another_thread_lets_the_step_through():
     """The host may release while the device already spins (the usual order under async)."""
-    from graphexec.capture.mask_gate import MaskGate
-    from graphexec.capture.staging import H2DRing
-
-    rows = torch.zeros(4, 100, dtype=torch.int64, device="cuda")
-    gate = MaskGate(rows)
+    gate = _gate(4, 100)
     graph = _captured_pull(gate)
     gate.host_rows[:] = 7
-    ticket = gate.arm(H2DRing(rows.device), 4)
+    gate.num_rows.fill_(4)
+    ticket = gate.arm()
     graph.replay()
     threading.Timer(0.1, gate.release, args=(ticket,)).start()
     torch.cuda.synchronize()
-    assert int(rows.sum()) == 7 * rows.numel()
+    assert int(gate.rows.sum()) == 7 * gate.rows.numel()

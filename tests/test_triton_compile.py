@@ -482,8 +482,8 @@ def test_mask_gate_polls_the_host_flag_with_a_deadline(compiled):
     from graphexec.kernels.mask_gate_triton import await_masks
 
     rows = torch.zeros(65, 128256 // 64 + 1, dtype=torch.int64)
-    await_masks(torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), rows,
-                torch.zeros_like(rows))
+    one = lambda: torch.zeros(1, dtype=torch.int64)  # noqa: E731
+    await_masks(one(), one(), one(), rows, torch.zeros_like(rows))
     (name, kernel), = compiled
     ptx = kernel.asm["ptx"]
     assert name == "_await_masks_kernel"
