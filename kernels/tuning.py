@@ -237,8 +237,8 @@ class SamplingTuning:
     penalty_block: int = 2048
     penalty_warps: int = 4
     # Grammar masks copied from pinned memory once the host releases them
-    # (kernels/mask_gate_triton.py): int64 words a program copies.
-    mask_copy_block: int = 4096
+    # (kernels/mask_gate_triton.py): int64 words of a row a program copies at a time.
+    mask_copy_block: int = 2048
 
 
 @dataclass(frozen=True)
