@@ -60,7 +60,7 @@ class GraphSet:
             raise RuntimeError("graphs must be captured on an empty batch")
         out = cls(pool=torch.cuda.graph_pool_handle())
         with_lp = sorted({v.logprobs for v in variants})
-        # (penalties, grammar) as the variants pair them: a grammar step is a penalties one
+        # the (penalties, grammar) pairs the decode variants hold, for the mixed steps too
         pen_grammar = sorted({(v.penalties, v.grammar) for v in variants})
         todo = [(("prefill", t, lp, pen, g),
                  lambda t=t, lp=lp, pen=pen, g=g: runner.padded_mixed_step(t, lp, penalties=pen,
