@@ -11,6 +11,7 @@ import gc
 import numbers
 import os
 import random
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -93,6 +94,8 @@ class Engine:
         self._waits_seen = self.runner.host_waits()
         self._closed = False
         self._grammars: Grammars | None = None  # built with the first structured request
+        self._grammars_lock = threading.Lock()
+        self._compiled: dict[str, object] = {}  # request id -> its grammar (compile_grammar)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -176,14 +179,32 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def _grammar(self, request_id: str, params: SamplingParams):
-        if self._grammars is None and self.tokenizer is not None:
-            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
-                                                    list(self.model_config.eos_token_ids))
+    def compile_grammar(self, request_id: str, params: SamplingParams) -> None:
+        """Compiles params.structured_outputs ahead of add_request(request_id, ...), which then
+        takes it as it is; a ValueError if it does not compile. Safe on another thread while the
+        engine steps: the server compiles there (serve/engine_core.py), so that a grammar that
+        takes seconds to compile stalls no other request."""
+        self._compiled[request_id] = self._grammars_for(request_id).compile(
+            params.structured_outputs)
+
+    def discard_grammar(self, request_id: str) -> None:
+        """Forgets a grammar compile_grammar made for a request that was not added."""
+        self._compiled.pop(request_id, None)
+
+    def _grammars_for(self, request_id: str) -> Grammars:
+        with self._grammars_lock:  # compile_grammar may run on several threads
+            if self._grammars is None and self.tokenizer is not None:
+                self._grammars = Grammars.for_tokenizer(
+                    self.tokenizer, self.model_config.vocab_size,
+                    list(self.model_config.eos_token_ids))
         if self._grammars is None:
             raise ValueError(f"structured_outputs for {request_id!r} needs a model with a "
                              "tokenizer")
-        return self._grammars.matcher(params.structured_outputs)
+        return self._grammars
+
+    def _grammar(self, request_id: str, params: SamplingParams):
+        return self._grammars_for(request_id).matcher(params.structured_outputs,
+                                                      self._compiled.pop(request_id, None))
 
     def _validate_prompt(self, request_id: str, prompt) -> list[int]:
         if isinstance(prompt, str):

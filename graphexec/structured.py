@@ -21,6 +21,9 @@ from typing import Any
 import numpy as np
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# What the compiler's cache of compiled grammars may hold: unbounded (xgrammar's default), a
+# client sending one new large grammar after another would grow the engine without end.
+GRAMMAR_CACHE_BYTES = 256 << 20
 # A row's grammar flag (the last word of its DecodeState.grammar_rows row): 0 no grammar, else
 # its mask applies; MASK_HOLD also tells a speculative step to emit nothing for the row (it
 # joined in this step, and its next mask follows a token the host has not read yet).
@@ -79,7 +82,7 @@ class Grammars:
         xgr = _xgrammar()
 
         self.info = info  # xgrammar.TokenizerInfo
-        self.compiler = xgr.GrammarCompiler(info)
+        self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self.words = (info.vocab_size + 31) // 32  # int32 words of one row's mask
         self._xgr = xgr
         # Fills the masks of a step's grammar rows on several threads: one row's mask can take
@@ -106,9 +109,16 @@ class Grammars:
         return cls(xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
                                      stop_token_ids=stop_token_ids))
 
-    def matcher(self, params: StructuredOutputsParams) -> "RowGrammar":
-        """A matcher at the start of the grammar. A grammar that does not compile is a
-        ValueError with the compiler's message."""
+    def matcher(self, params: StructuredOutputsParams, compiled=None) -> "RowGrammar":
+        """A matcher at the start of the grammar, compiled now unless `compiled` is given."""
+        if compiled is None:
+            compiled = self.compile(params)
+        return RowGrammar(self._xgr.GrammarMatcher(compiled))
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar; a ValueError with the compiler's message if it does not
+        compile. Thread-safe, and the compiler does not hold the GIL: the server compiles off
+        the engine's thread (serve/engine_core.py)."""
         kind = params.kind
         value: Any = getattr(params, kind)
         c = self.compiler
@@ -127,7 +137,7 @@ class Grammars:
                 compiled = c.compile_grammar(value)
         except Exception as e:  # xgrammar raises RuntimeError (and others) for bad input
             raise ValueError(f"structured_outputs.{kind} does not compile: {e}") from None
-        return RowGrammar(self._xgr.GrammarMatcher(compiled))
+        return compiled
 
 
 class RowGrammar:

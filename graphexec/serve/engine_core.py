@@ -10,6 +10,10 @@ waits for a step: at thousands of tokens a second the two together need more tha
 Each iteration: take what the inbox holds (blocking only when the engine has nothing to do),
 apply it, step, and send the step's outputs. A thread of this process moves commands from the
 pipe into the inbox, so a step never waits for the pipe either.
+
+A request with structured outputs is admitted once its grammar is compiled, which worker threads
+do (xgrammar releases the GIL): a large grammar takes seconds, and compiled on this loop's
+thread it would stall every stream meanwhile. A compile that fails refuses the request (400).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 
@@ -77,6 +82,10 @@ class _Live:
     wants_prompt_logprobs: bool = False  # until its first delta carried them
 
 
+_COMPILED = object()  # put into the inbox when a grammar is compiled: wakes an idle loop
+_COMPILE_THREADS = 2
+
+
 class EngineCore:
     def __init__(self, engine, send: Callable[[Outbound], None]):
         self.engine = engine
@@ -85,6 +94,9 @@ class EngineCore:
         self._live: dict[str, _Live] = {}
         self._abort_at: float | None = None  # set by the first Drain
         self._draining = False
+        # Adds whose grammar compiles on a worker thread, in arrival order
+        self._compiling: dict[str, tuple[Add, Future]] = {}
+        self._compiler = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
 
     def serve(self) -> None:
         """Runs until a Stop (or the HTTP process goes away, which the reader turns into one);
@@ -96,6 +108,7 @@ class EngineCore:
             if stop:
                 self._emit(events)
                 break
+            self._admit_compiled(events)
             if self._abort_at is not None and time.monotonic() >= self._abort_at:
                 self._abort_at = None
                 for rid in list(self._live):
@@ -103,8 +116,12 @@ class EngineCore:
             if engine.has_unfinished():
                 self._step(events)
             self._emit(events)
+        pending = [cmd for cmd, _ in self._compiling.values()]
+        pending += [cmd for cmd in self._take(block=False) if isinstance(cmd, Add)]
         refused = [(cmd.request_id, Rejected(cmd.index, "the server is shutting down", 503))
-                   for cmd in self._take(block=False) if isinstance(cmd, Add)]
+                   for cmd in pending]
+        self._compiling.clear()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         for rid in list(self._live):
             self._abort(rid)
         while engine.has_unfinished():
@@ -130,11 +147,17 @@ class EngineCore:
                 if stop:
                     events.append((cmd.request_id,
                                    Rejected(cmd.index, "the server is shutting down", 503)))
+                elif cmd.params.structured_outputs is not None:
+                    self._compile(cmd)
                 else:
                     events.append((cmd.request_id, self._add(cmd)))
             elif isinstance(cmd, Abort):
                 if cmd.request_id in self._live:
                     self._abort(cmd.request_id)
+                elif cmd.request_id in self._compiling:  # never admitted: nothing to send
+                    _, future = self._compiling.pop(cmd.request_id)
+                    future.add_done_callback(
+                        lambda _, rid=cmd.request_id: self.engine.discard_grammar(rid))
             elif isinstance(cmd, Drain):  # a second drain never moves the first's deadline
                 if not self._draining:
                     self._draining = True
@@ -142,6 +165,28 @@ class EngineCore:
             elif isinstance(cmd, Stop):
                 stop = True
         return stop
+
+    def _compile(self, cmd: Add) -> None:
+        future = self._compiler.submit(self.engine.compile_grammar, cmd.request_id, cmd.params)
+        future.add_done_callback(lambda _: self.inbox.put(_COMPILED))
+        self._compiling[cmd.request_id] = (cmd, future)
+
+    def _admit_compiled(self, events: list[tuple[str, Event]]) -> None:
+        """Adds the requests whose grammar is compiled; refuses those whose grammar is not."""
+        for rid, (cmd, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            error = future.exception()
+            if error is None:
+                events.append((rid, self._add(cmd)))
+                self.engine.discard_grammar(rid)  # add_request took it, unless it refused
+            elif isinstance(error, ValueError):
+                events.append((rid, Rejected(cmd.index, str(error), 400)))
+            else:
+                log.error("compiling the grammar of %s failed", rid, exc_info=error)
+                events.append((rid, Rejected(cmd.index, f"the engine could not compile the "
+                                                        f"request's grammar: {error}", 500)))
 
     def _add(self, cmd: Add) -> Event:
         try:
