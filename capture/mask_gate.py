@@ -20,6 +20,8 @@ one through.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..kernels.mask_gate_triton import await_masks
@@ -30,7 +32,7 @@ _OPEN = 1 << 62  # a ticket no step reaches: lets every waiting step through
 class MaskGate:
     def __init__(self, rows: torch.Tensor, num_rows: torch.Tensor):
         """rows: DecodeState.grammar_rows, the device buffer the masking kernels read;
-        num_rows: DecodeState.num_rows, how many of them a step's masks cover."""
+        num_rows: DecodeState.num_rows, how many of them a step's masks cover (0 here)."""
         self.rows, self.num_rows = rows, num_rows
         self.host = torch.zeros(rows.shape, dtype=torch.int64, pin_memory=True)
         self.host_rows = self.host.numpy()
@@ -41,6 +43,13 @@ class MaskGate:
         self.passed = torch.zeros(1, dtype=torch.int64, device=rows.device)
         self.issued = 0
         self.released = 0
+        # Compiled and loaded now, not first under a capture: with no rows in use it copies
+        # nothing and waits for nothing.
+        await_masks(self.flag, self.passed, num_rows, self.host, rows)
+        self.passed.zero_()
+        # A lock's acquire and release are full memory barriers: the mask rows become visible
+        # before the flag on hosts that may reorder stores (aarch64; x86 keeps their order).
+        self._barrier = threading.Lock()
 
     def pull(self) -> None:
         """Captures the wait and the copy into the device rows; eager steps skip it (the
@@ -62,7 +71,15 @@ class MaskGate:
             raise RuntimeError(f"mask ticket {ticket} released out of order "
                                f"(last {self.released})")
         self.released = ticket
+        with self._barrier:
+            pass
         self._flag[0] = ticket
+
+    def release_through(self, ticket: int) -> None:
+        """Lets every step up to `ticket` go on with whatever the rows hold: after an error
+        mid-step, so that no step is left waiting until its deadline traps."""
+        self.released = max(self.released, ticket)
+        self._flag[0] = self.released
 
     def open(self) -> None:
         """Lets every armed step through (closing an engine with steps still waiting)."""

@@ -288,6 +288,27 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._check_open()
+        try:
+            return self._step()
+        except BaseException:
+            self._unblock_device()
+            raise
+
+    def _unblock_device(self) -> None:
+        """After an error (or Ctrl-C) mid-step: lets every step that waits for its masks go on,
+        with the masks the host can still fill, rather than leave the GPU spinning until the
+        wait's deadline traps and takes the process's CUDA context with it."""
+        gate = self.runner.mask_gate if self.runner is not None else None
+        if gate is None or gate.released == gate.issued:
+            return
+        try:
+            for step in self.in_flight:
+                self._release_masks(step)
+        except Exception:  # noqa: BLE001 -- a half-read step's masks may not fill; go on
+            pass
+        gate.release_through(gate.issued)
+
+    def _step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
         if self._all_rows_may_end_in_flight():

@@ -86,10 +86,11 @@ def build_rank(cfg: EngineConfig, source: ModelSource, max_len: int, shard: Shar
 
 def defers_masks(cfg: EngineConfig, shard: Shard) -> bool:
     """Whether grammar steps launch before the host has their masks (capture/mask_gate.py):
-    on one CUDA device without drafts. A speculative step masks in two places, and tensor-
-    parallel workers in other processes cannot read rank 0's pinned memory; both read each
-    grammar step before launching the next instead."""
-    return cfg.device.type == "cuda" and not shard.sharded and cfg.speculative is None
+    on one CUDA device with graphs and without drafts. Only graphs wait; a speculative step
+    masks in two places, and tensor-parallel workers in other processes cannot read rank 0's
+    pinned memory. Each of those reads a grammar step before planning the next instead."""
+    return (cfg.device.type == "cuda" and cfg.cuda_graphs and not shard.sharded
+            and cfg.speculative is None)
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

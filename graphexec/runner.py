@@ -109,11 +109,10 @@ class ModelRunner:
                 self._apply_delta(delta)
             if grammar_rows is not None:
                 self.h2d.put_into(grammar_rows.reshape(-1), self.state.grammar_rows.view(-1))
-            ticket = 0
-            if variant.grammar and grammar_rows is None:
-                ticket = self.mask_gate.arm()
             slot = self.results.take()
             num_decode, samples = self._run(prefills, bucket, variant)
+            # the replay that waits is enqueued: its ticket is the next one
+            ticket = self.mask_gate.arm() if variant.grammar and grammar_rows is None else 0
             prompt = to_pinned(samples.prompt) if samples and samples.prompt else None
             self._copy_out(slot, samples, len(prefills), num_decode, variant.logprobs)
         return Launched(slot, len(prefills), num_decode, variant.logprobs, prompt, ticket)

@@ -4,8 +4,10 @@ names), its compiled grammar, and the matcher that follows its tokens on the hos
 The host advances each row's matcher as its tokens are reconciled and writes the bitmask of the
 tokens the grammar allows next (one bit per vocabulary entry, xgrammar's layout) into the step's
 mask rows; the captured sampler sets every other token to -inf (kernels/token_mask.py). The mask
-of step n + 1 depends on the token of step n, so while a grammar row is in the batch the engine
-reads each step before it plans the next (graphexec/engine.py).
+of step n + 1 depends on the token of step n: on one GPU with graphs, step n + 1 is launched
+first and waits on the device for its masks, which the host fills once it has read step n
+(capture/mask_gate.py); elsewhere the engine reads each step before it plans the next
+(graphexec/engine.py).
 
 Under speculative decoding the host knows the mask of a step's first position only, so grammar
 rows take no drafts: one masked token a step (capture/spec_controls.py). A grammar row joining

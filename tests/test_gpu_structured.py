@@ -4,6 +4,7 @@ launch (capture/mask_gate.py) equal steps whose masks were built before it.
 
 The tiny preset with a tokenizer trained to its vocabulary (tools/synthetic_tokenizer.py): the
 GPU machine has no model files."""
+import dataclasses
 import functools
 import os
 import sys
@@ -99,6 +100,9 @@ def test_masks_after_launch_equal_masks_before_it(monkeypatch):
     from test_structured_outputs import _requests
 
     reqs = _requests(40, seed=9, lengths=(8, 40, 120))
+    for i in (5, 17):  # a chunk that asks for prompt logprobs runs eagerly: the drained path
+        rid, prompt, sp, check = reqs[i]
+        reqs[i] = (rid, prompt, dataclasses.replace(sp, prompt_logprobs=1), check)
     # fp32: the drained engine plans after reading the step in flight, so its batches differ
     # from the gated one's, and bf16 logits move with the batch
     opts = dict(device="cuda", dtype="float32", max_model_len=512, max_batch=16,
@@ -107,9 +111,9 @@ def test_masks_after_launch_equal_masks_before_it(monkeypatch):
     monkeypatch.setattr(rank, "defers_masks", lambda cfg, shard: False)
     drained, before = _run(reqs, **opts)
     assert drained.runner.mask_gate is None
-    # only the mixed steps (eager) read the step in flight first
+    # replays took their masks late; the eager steps (prompt logprobs) read the step in flight
     late = gated.runner.mask_gate.released
-    assert late > 0 and gated.stats.grammar_waits < drained.stats.grammar_waits
+    assert late > 0 and 0 < gated.stats.grammar_waits < drained.stats.grammar_waits
     _same(before, after)
     assert _valid(gated, after, reqs) >= 1
 
@@ -161,10 +165,44 @@ def test_a_release_from_another_thread_lets_the_step_through():
     """The host may release while the device already spins (the usual order under async)."""
     gate = _gate(4, 100)
     graph = _captured_pull(gate)
-    gate.host_rows[:] = 7
     gate.num_rows.fill_(4)
     ticket = gate.arm()
     graph.replay()
-    threading.Timer(0.1, gate.release, args=(ticket,)).start()
+
+    def fill_and_release():  # the rows are written while the device already spins
+        gate.host_rows[:] = 7
+        gate.release(ticket)
+
+    threading.Timer(0.1, fill_and_release).start()
     torch.cuda.synchronize()
     assert int(gate.rows.sum()) == 7 * gate.rows.numel()
+
+
+def test_an_error_mid_step_leaves_no_step_waiting(monkeypatch):
+    """An exception between a gated step's launch and its release (here in reading the step
+    before it) releases it: the device finishes, and the engine closes, well before the wait's
+    deadline."""
+    pytest.importorskip("xgrammar")
+    from test_structured_outputs import _requests
+
+    engine = _engine(device="cuda", max_model_len=256, max_batch=8, async_scheduling=True)
+    for rid, prompt, sp, _ in _requests(8, seed=3, lengths=(60,)):
+        engine.add_request(rid, prompt, sp)
+    gate = engine.runner.mask_gate
+    while gate.issued < 3:
+        engine.step()
+    reconcile = engine._reconcile
+
+    def fails(step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_reconcile", fails)
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            engine.step()
+    assert gate.released == gate.issued
+    t0 = time.monotonic()
+    torch.cuda.synchronize()
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setattr(engine, "_reconcile", reconcile)
+    engine.close()

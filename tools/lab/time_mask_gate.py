@@ -24,7 +24,8 @@ def time_pull(vocab: int, rows: int, constrained: int, replays: int) -> dict:
     words = -(-vocab // 64) + 1  # DecodeState.grammar_rows' row: mask words, then the flag
     dev = torch.device("cuda")
     gate = MaskGate(torch.zeros(rows + 1, words, dtype=torch.int64, device=dev),
-                    torch.tensor([rows], dtype=torch.int64, device=dev))
+                    torch.zeros(1, dtype=torch.int64, device=dev))  # no rows in use yet
+    gate.num_rows.fill_(rows)
     gate.host_rows[:, -1] = 0
     gate.host_rows[:constrained, -1] = MASK_ON
     gate.open()  # every ticket is through: only the copy and the launch are timed
