@@ -161,9 +161,11 @@ def bounded_strings_plain(schema: Any) -> Any:
     shapes it) spelled as a pattern of unescaped characters: xgrammar 0.2.8's rule for
     length-bounded strings lets raw control characters through, which no JSON parser takes
     (found by tools/fuzz_structured.py). Its pattern rule excludes them; the pattern admits a
-    subset of the strings the bounds do (no escapes), all valid JSON. It also leaves out the
-    UTF-16 surrogates, whose 3-byte forms xgrammar takes in any string: a decoder turns each
-    into three replacement characters, past the length bound."""
+    subset of the strings the bounds do (no escapes), all valid JSON. Its class lists what it
+    admits rather than what it leaves out: xgrammar matches a negated class by decoding UTF-8
+    leniently, so overlong forms (F0 83 BA 8D for U+3E8D) and UTF-16 surrogates got through,
+    and a decoder turns each of their bytes into a replacement character, past the length
+    bound. A listed range is matched as exact UTF-8."""
     if isinstance(schema, list):
         return [bounded_strings_plain(s) for s in schema]
     if not isinstance(schema, dict):
@@ -173,7 +175,7 @@ def bounded_strings_plain(schema: Any) -> Any:
     if (out.get("type") == "string" and bounded
             and not {"pattern", "format", "enum", "const"} & out.keys()):
         lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = rf'^[^"\\\x00-\x1f\uD800-\uDFFF]{{{lo},{hi}}}$'
+        out["pattern"] = rf'^[ !#-\[\]-\uD7FF\uE000-\U0010FFFF]{{{lo},{hi}}}$'
     return out
 
 

@@ -175,3 +175,56 @@ def test_length_bounded_strings_refuse_control_characters():
         assert not accepts(text), repr(text)
     for text in ['{"c": "ab"}', '{"c": ""}']:
         assert accepts(text) and json.loads(text)["c"] == text[7:-2]
+
+
+def test_length_bounded_strings_take_only_well_formed_utf8():
+    """A string with maxLength takes a byte sequence exactly when it decodes as UTF-8 to at
+    most that many characters, none of them a quote, a backslash or a control character
+    (xgrammar 0.2.8's negated classes took overlong forms, which decode to one replacement
+    character a byte). Oracle: Python's strict UTF-8 decoder, over a byte-level vocabulary."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "tools"))
+    import synthetic_tokenizer
+    from graphexec.structured import Grammars, StructuredOutputsParams
+
+    tok = synthetic_tokenizer.synthetic_tokenizer(512, (1,))
+    grammars = Grammars.for_tokenizer(tok, 512, [1])
+    byte_token = _byte_tokens(tok)
+    schema = {"type": "string", "maxLength": 3}
+
+    def accepts(raw: bytes) -> bool:
+        row = grammars.matcher(StructuredOutputsParams(json=schema))
+        for b in b'"' + raw + b'"':
+            row.accept(byte_token[b])
+        return row.rejected == 0
+
+    def well_formed(raw: bytes) -> bool:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return len(text) <= 3 and not any(c in '"\\' or ord(c) < 0x20 for c in text)
+
+    cases = [b"\xf0\x83\xba\x8d", b"\xe3\xba\x8d", b"\xe0\x80\xaf", b"\xc0\xaf",
+             b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x9f\x98\x80", b"a\x7fb",
+             b"a\x1fb", b"abc", b"abcd", b"\xef\xbf\xbf", b"\xc3\xa9\xc3\xa9\xc3\xa9"]
+    for raw in cases:
+        assert accepts(raw) == well_formed(raw), raw
+
+
+def _byte_tokens(tok) -> dict[int, int]:
+    """byte -> the id of the byte-level vocabulary's token for that one byte (GPT-2's map of
+    bytes to printable characters)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {b: tok._tok.token_to_id(c) for b, c in chars.items()}
