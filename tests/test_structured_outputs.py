@@ -216,15 +216,7 @@ def test_length_bounded_strings_take_only_well_formed_utf8():
 
 
 def _byte_tokens(tok) -> dict[int, int]:
-    """byte -> the id of the byte-level vocabulary's token for that one byte (GPT-2's map of
-    bytes to printable characters)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {b: tok._tok.token_to_id(c) for b, c in chars.items()}
+    """byte -> the id of the byte-level vocabulary's token for that one byte."""
+    from test_text import _bytes_to_unicode
+
+    return {b: tok._tok.token_to_id(c) for b, c in enumerate(_bytes_to_unicode())}
