@@ -157,7 +157,7 @@ class RowGrammar:
 
 
 def bounded_strings_plain(schema: Any) -> Any:
-    """The schema with each string bounded by minLength / maxLength (and nothing else that
+    r"""The schema with each string bounded by minLength / maxLength (and nothing else that
     shapes it) spelled as a pattern of unescaped characters: xgrammar 0.2.8's rule for
     length-bounded strings lets raw control characters through, which no JSON parser takes
     (found by tools/fuzz_structured.py). Its pattern rule excludes them; the pattern admits a
@@ -165,7 +165,10 @@ def bounded_strings_plain(schema: Any) -> Any:
     admits rather than what it leaves out: xgrammar matches a negated class by decoding UTF-8
     leniently, so overlong forms (F0 83 BA 8D for U+3E8D) and UTF-16 surrogates got through,
     and a decoder turns each of their bytes into a replacement character, past the length
-    bound. A listed range is matched as exact UTF-8."""
+    bound. This class, with its last bound spelled \U0010FFFF, is matched as exact UTF-8
+    (tests/test_structured_outputs.py checks it against Python's strict decoder); spelled
+    \u{10FFFF}, or ending at \uFFFF, it decodes leniently again. One of xgrammar's regex
+    readers logs a warning that it does not know \U; the matcher takes it as the range."""
     if isinstance(schema, list):
         return [bounded_strings_plain(s) for s in schema]
     if not isinstance(schema, dict):

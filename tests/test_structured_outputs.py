@@ -211,6 +211,11 @@ def test_length_bounded_strings_take_only_well_formed_utf8():
     cases = [b"\xf0\x83\xba\x8d", b"\xe3\xba\x8d", b"\xe0\x80\xaf", b"\xc0\xaf",
              b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x9f\x98\x80", b"a\x7fb",
              b"a\x1fb", b"abc", b"abcd", b"\xef\xbf\xbf", b"\xc3\xa9\xc3\xa9\xc3\xa9"]
+    # every lead byte against continuation bytes at the edges of their ranges
+    edges = (0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0)
+    cases += [bytes([lead, b]) for lead in range(0xC0, 0xE0) for b in edges]
+    cases += [bytes([lead, b, 0x80]) for lead in range(0xE0, 0xF0) for b in edges]
+    cases += [bytes([lead, b, 0x80, 0xBF]) for lead in range(0xF0, 0xF8) for b in edges]
     for raw in cases:
         assert accepts(raw) == well_formed(raw), raw
 
