@@ -53,6 +53,21 @@ class _Loop:
         assert not self.thread.is_alive()
 
 
+def _hold_compiles(engine, monkeypatch, held: set[str]) -> threading.Event:
+    """Holds the grammar compiles of the request ids in `held` until the returned event is
+    set; the others compile at once."""
+    release = threading.Event()
+    compile_grammar = engine.compile_grammar
+
+    def slow(rid, params):
+        if rid in held:
+            assert release.wait(120)
+        compile_grammar(rid, params)
+
+    monkeypatch.setattr(engine, "compile_grammar", slow)
+    return release
+
+
 @pytest.fixture(scope="module")
 def engine():
     e = Engine("smollm2-135m", max_model_len=256, max_batch=4)
@@ -61,15 +76,7 @@ def engine():
 
 
 def test_a_grammar_that_compiles_slowly_stalls_no_other_request(engine, monkeypatch):
-    release = threading.Event()
-    compile_grammar = engine.compile_grammar
-
-    def slow(rid, params):
-        if rid == "slow":
-            assert release.wait(120)
-        compile_grammar(rid, params)
-
-    monkeypatch.setattr(engine, "compile_grammar", slow)
+    release = _hold_compiles(engine, monkeypatch, {"slow"})
     loop = _Loop(engine)
     try:
         loop.add("slow", SamplingParams(max_tokens=24, structured_outputs=S(json=SCHEMA)))
@@ -88,15 +95,7 @@ def test_a_grammar_that_compiles_slowly_stalls_no_other_request(engine, monkeypa
 
 def test_a_grammar_that_does_not_compile_is_a_400_and_an_aborted_one_never_runs(engine,
                                                                                 monkeypatch):
-    release = threading.Event()
-    compile_grammar = engine.compile_grammar
-
-    def slow(rid, params):
-        if rid == "left":
-            assert release.wait(120)
-        compile_grammar(rid, params)
-
-    monkeypatch.setattr(engine, "compile_grammar", slow)
+    release = _hold_compiles(engine, monkeypatch, {"left"})
     loop = _Loop(engine)
     try:
         loop.add("bad", SamplingParams(max_tokens=8, structured_outputs=S(regex="(unclosed")))
@@ -120,14 +119,7 @@ def test_a_grammar_that_does_not_compile_is_a_400_and_an_aborted_one_never_runs(
 
 
 def test_a_stop_refuses_what_still_compiles(engine, monkeypatch):
-    release = threading.Event()
-    compile_grammar = engine.compile_grammar
-
-    def slow(rid, params):
-        assert release.wait(120)
-        compile_grammar(rid, params)
-
-    monkeypatch.setattr(engine, "compile_grammar", slow)
+    release = _hold_compiles(engine, monkeypatch, {"pending"})
     loop = _Loop(engine)
     try:
         loop.add("pending", SamplingParams(max_tokens=8, structured_outputs=S(json=SCHEMA)))
