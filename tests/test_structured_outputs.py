@@ -216,6 +216,9 @@ def test_length_bounded_strings_take_only_well_formed_utf8():
     cases += [bytes([lead, b]) for lead in range(0xC0, 0xE0) for b in edges]
     cases += [bytes([lead, b, 0x80]) for lead in range(0xE0, 0xF0) for b in edges]
     cases += [bytes([lead, b, 0x80, 0xBF]) for lead in range(0xF0, 0xF8) for b in edges]
+    # every second byte after the leads whose second byte has a narrowed range
+    cases += [bytes([lead, b, 0x80]) for lead in (0xE0, 0xED) for b in range(256)]
+    cases += [bytes([lead, b, 0x80, 0x80]) for lead in (0xF0, 0xF4) for b in range(256)]
     for raw in cases:
         assert accepts(raw) == well_formed(raw), raw
 
