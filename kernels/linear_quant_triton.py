@@ -15,6 +15,9 @@ by shifts in registers.
 Each program owns BLOCK_M rows x BLOCK_N columns; one-row batches use CUDA-core dot products
 (block_m 1), more rows tensor-core tiles. When the columns give too few programs, K is split
 and linear_triton's partial-sum kernel adds the fp32 partials in split order (deterministic).
+
+fp8 weights from QuantLinearTuning.fp8_scaled_mm_min_rows rows take W8A8 instead
+(takes_w8a8): the norm or activation kernel quantizes the rows, torch._scaled_mm multiplies.
 """
 from __future__ import annotations
 
@@ -25,8 +28,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import linear_fp8_rows, quant_rows_triton
 from . import linear_tiles_triton as tiles
 from . import pdl
+from .linear_fp8_rows import scaled_mm
+from .quant_rows_triton import quantize_rows
 from .linear_triton import _split_sum_kernel
 from .dequant_triton import dequantize
 from .linear_quant import linear_quant_ref
@@ -375,10 +381,9 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
                  ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype. config: a forced tile (tests);
     its split_k is the K split."""
-    if config is None and _scaled_mm_rows(x, weight, t):
-        from .linear_fp8_rows import linear_fp8_rows
-
-        return linear_fp8_rows(x, weight, bias)
+    if config is None and takes_w8a8(x, weight, t):
+        q, scale, _ = quantize_rows(x)
+        return scaled_mm(q, scale, weight, bias, x.dtype)
     if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
         if supported(x, weight, x.shape[0]):  # many rows: the dense GEMM on a one-pass copy
             return F.linear(x, dequantize(weight, x.dtype, t), bias)
@@ -386,12 +391,17 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return _launch(x, weight, bias, config, t)[0]
 
 
-def _scaled_mm_rows(x: torch.Tensor, weight: QuantizedWeight, t: QuantLinearTuning) -> bool:
-    """Whether these rows of an fp8 weight go to the fp8 tensor cores (W8A8)."""
-    from . import linear_fp8_rows
-
-    return (0 < t.fp8_scaled_mm_min_rows <= x.shape[0] and x.is_cuda
-            and linear_fp8_rows.supported(x, weight))
+def takes_w8a8(x: torch.Tensor, weight: QuantizedWeight, t: QuantLinearTuning = _TUNING,
+               gated: bool = False) -> bool:
+    """Whether these rows of an fp8 weight run W8A8 on the fp8 tensor cores (activations
+    quantized per row: kernels/quant_rows_triton.py, kernels/linear_fp8_rows.py). gated: x is
+    [gate | up], twice the weight's K."""
+    if not (weight.format == "fp8" and 0 < t.fp8_scaled_mm_min_rows <= x.shape[0]
+            and x.is_cuda and x.device == weight.device
+            and quant_rows_triton.supported(x, gated)):
+        return False
+    k = x.shape[1] // 2 if gated else x.shape[1]
+    return linear_fp8_rows.supported(x[:, :k], weight)
 
 
 def _fuses(x: torch.Tensor, config: LinearConfig | None, t: QuantLinearTuning) -> bool:
@@ -405,7 +415,14 @@ def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
                       bias: torch.Tensor | None = None, config: LinearConfig | None = None,
                       t: QuantLinearTuning = _TUNING) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear_quant(rms_norm(x + residual)), x + residual): one kernel at one row, else the
-    norm kernel then linear_quant. Reference: linear_quant.norm_linear_quant_ref."""
+    norm kernel then linear_quant (W8A8: the norm kernel quantizes its rows). Reference:
+    linear_quant.norm_linear_quant_ref."""
+    if (config is None and takes_w8a8(x, weight, t)
+            and (residual is None or residual.shape == x.shape)
+            and all(v.dtype == x.dtype and v.is_contiguous()
+                    for v in (residual, norm_weight) if v is not None)):
+        q, scale, summed = quantize_rows(x, residual, norm_weight, eps)
+        return scaled_mm(q, scale, weight, bias, x.dtype), summed
     if (not _fuses(x, config, t) or not supported(x, weight, x.shape[0], 1, residual,
                                                   norm_weight)
             or (residual is not None and residual.shape != x.shape)):
@@ -420,7 +437,11 @@ def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
                           bias: torch.Tensor | None = None, config: LinearConfig | None = None,
                           t: QuantLinearTuning = _TUNING) -> torch.Tensor:
     """linear_quant(silu(gate) * up): the activation in the kernel's prologue at one row, else
-    the activation kernel then linear_quant. Reference: linear_quant.silu_mul_linear_quant_ref."""
+    the activation kernel then linear_quant (W8A8: silu * up quantized in one kernel).
+    Reference: linear_quant.silu_mul_linear_quant_ref."""
+    if config is None and takes_w8a8(gate_up, weight, t, gated=True):
+        q, scale, _ = quantize_rows(gate_up, gated=True)
+        return scaled_mm(q, scale, weight, bias, gate_up.dtype)
     if not _fuses(gate_up, config, t) or not supported(gate_up, weight, gate_up.shape[0], 2):
         from .activation_triton import silu_mul
 

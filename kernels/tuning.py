@@ -94,8 +94,9 @@ class LinearTuning:
 class QuantLinearTuning:
     """The quantized projections, W8A16 and W4A16 (kernels/linear_quant_triton.py): tiles from
     tools/lab/tune_quant_linear.py, steps timed by tools/bench.py decode --quantization."""
-    # Above max_rows the weight is dequantized into a dense copy and cuBLAS runs the GEMM: a
-    # prefill chunk's many rows amortise the copy, and the kernel's tiles are decode-sized.
+    # Above max_rows an int4 weight is dequantized into a dense copy and cuBLAS runs the GEMM
+    # (fp8 runs W8A8 there): a prefill chunk's many rows amortise the copy, and the kernel's
+    # tiles are decode-sized.
     max_rows: int = 64
     # The norm before qkv and gate_up, and silu * mul before down, in the kernel's prologue up
     # to this many rows (as LinearTuning.fuse_max_rows); above, their own kernels run first.
@@ -106,10 +107,12 @@ class QuantLinearTuning:
     # The dense copy's kernel (kernels/dequant_triton.py): a program's tile.
     dequant_block_n: int = 16
     dequant_block_k: int = 256
-    # fp8 weights from this many rows on run W8A8 on the fp8 tensor cores (activations
-    # quantized per token, torch._scaled_mm: kernels/linear_fp8_rows.py); 0: never. Off: it
-    # also rounds the activations, and measured slower than W8A16 at 1-64 rows on an H100.
-    fp8_scaled_mm_min_rows: int = 0
+    # fp8 weights from this many rows on run W8A8 on the fp8 tensor cores (the activations
+    # quantized per row by the norm or activation kernel, torch._scaled_mm:
+    # kernels/linear_fp8_rows.py); 0: never. On an H100 (tools/lab/time_fp8_w8a8.py), llama-8b's
+    # four projections took 113 us against W8A16's 177 at 32 rows and 112 against 183 at 64;
+    # even at 16 (118 against 121), and above 64 rows 2-3x faster than the dense copy.
+    fp8_scaled_mm_min_rows: int = 17
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
     split_programs: int = 264

@@ -6,7 +6,7 @@ import torch
 
 from graphexec.kernels.linear_quant import linear_quant_ref
 from graphexec.kernels.quant import quantize_fp8, quantize_int4
-from kernel_helpers import DEV, _check, _randn, big, kernel_test
+from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test
 
 SHAPES = big([(1, 4096, 4096), (1, 4096, 14336), (7, 6144, 4096), (16, 28672, 4096),
               (64, 4096, 14336), (33, 1000, 896)],
@@ -26,6 +26,15 @@ def _quantize(w, fmt):
 def _ref(x, qw, b=None):
     """fp32 sums over the dequantized weight, rounded once at the end."""
     return linear_quant_ref(x.float(), qw, None if b is None else b.float()).to(x.dtype)
+
+
+def _want(x, qw, b=None):
+    """_ref, or where linear_quant runs W8A8 (fp8 from fp8_scaled_mm_min_rows rows on CUDA)
+    the same with the activations quantized per row first."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.linear_fp8_rows import linear_fp8_rows_ref
+
+    return linear_fp8_rows_ref(x, qw, b) if lq.takes_w8a8(x, qw) else _ref(x, qw, b)
 
 
 @kernel_test
@@ -48,7 +57,7 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
            if config else None)
     out = lq.linear_quant(x, qw, config=cfg)
     assert not torch.equal(out.float(), torch.zeros_like(out.float()))
-    _check(out, _ref(x, qw), dtype, "reduction")
+    _check(out, _ref(x, qw) if cfg else _want(x, qw), dtype, "reduction")
 
 
 @kernel_test
@@ -135,6 +144,86 @@ def test_silu_mul_linear_quant(m, k, config, fmt):
                            split_k=config[3]) if config else None)
     out = lq.silu_mul_linear_quant(gate_up, qw, config=cfg)
     _check(out, _ref(act_ref.silu_mul_ref(gate_up), qw), dtype, "reduction")
+
+
+def _fp8_codes_close(q, want):
+    """e4m3 codes equal but for a few one step apart: the kernel's sum of squares adds in
+    another order than torch's mean, which can move a normed value by one bf16 ulp (and the
+    interpreter truncates to bf16 where the GPU rounds: more of them there)."""
+    a, b = q.view(torch.uint8).int(), want.view(torch.uint8).int()
+    assert (a - b).abs().max().item() <= 1
+    assert (a != b).float().mean().item() < (0.15 if INTERPRET else 0.01)
+
+
+QUANT_ROWS_CASES = big([(1, 4096), (37, 14336), (64, 4096), (5, 28672)],
+                       [(1, 256), (3, 96)])
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", QUANT_ROWS_CASES)
+@pytest.mark.parametrize("prologue", ["plain", "norm", "add_norm", "silu_mul"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_rows(m, k, prologue, dtype):
+    """W8A8's input (kernels/quant_rows_triton.py): the prologue, then e4m3 per row with
+    scale = max|row| / 448, against the PyTorch prologue and quantize_rows."""
+    from graphexec.kernels import triton_ops  # noqa: F401 (the interpreter's e4m3 rounding)
+    from graphexec.kernels.linear_fp8_rows import quantize_rows_ref
+    from graphexec.kernels.quant_rows_triton import quantize_rows
+
+    gated = prologue == "silu_mul"
+    x = _randn((m, 2 * k if gated else k), dtype, 21, 3.0)
+    x[0, :7] = 0.0  # a row's zeros stay zeros
+    res = _randn((m, k), dtype, 22, 3.0) if prologue == "add_norm" else None
+    nw = ((1.0 + 0.2 * _randn((k,), torch.float32, 23)).to(dtype)
+          if prologue in ("norm", "add_norm") else None)
+    if m > 2:  # an all-zero row: scale 1 (as the weights' zero channels)
+        x[2] = 0.0
+        if res is not None:
+            res[2] = 0.0
+    args = (x, res, nw, 1e-5, gated)
+    q, scale, summed = quantize_rows(*args)
+    want_q, want_scale, want_sum = quantize_rows_ref(*args)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape
+    # within a bf16 ulp: the interpreter truncates to bf16 where the GPU rounds
+    torch.testing.assert_close(scale, want_scale, rtol=2 ** -6, atol=0)
+    _fp8_codes_close(q, want_q)
+    _check(summed, want_sum, dtype)
+    if m > 2:
+        assert scale[2].item() == 1.0 and not q[2].float().any()
+    # the largest element of each nonzero row lands on +-448
+    assert torch.equal(q.float().abs().amax(dim=1)[scale[:, 0] != 1.0],
+                       torch.full_like(scale[:, 0][scale[:, 0] != 1.0], 448.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm: CUDA")
+@pytest.mark.parametrize("op", ["linear", "norm", "silu_mul"])
+def test_w8a8_from_min_rows_matches_its_reference(op):
+    """From fp8_scaled_mm_min_rows rows fp8 projections run W8A8: the fused quantizing kernel
+    and torch._scaled_mm against the PyTorch prologue, quantize_rows and fp32 sums."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.linear_fp8_rows import quantize_rows_ref
+
+    dtype, k, n = torch.bfloat16, 512, 96
+    m = lq.DEFAULT.quant_linear.fp8_scaled_mm_min_rows + 20
+    qw = quantize_fp8(_randn((n, k), torch.float32, 24, k ** -0.5))
+    x = _randn((m, 2 * k if op == "silu_mul" else k), dtype, 25, 3.0)
+    res, nw = _randn((m, k), dtype, 26, 3.0), (1.0 + 0.2 * _randn((k,), torch.float32, 27)).to(dtype)
+    assert lq.takes_w8a8(x, qw, gated=op == "silu_mul")
+    if op == "linear":
+        out, (q, s, _) = lq.linear_quant(x, qw), quantize_rows_ref(x)
+    elif op == "norm":
+        (out, summed), (q, s, _) = (lq.norm_linear_quant(x, res, nw, 1e-5, qw),
+                                    quantize_rows_ref(x, res, nw, 1e-5))
+        assert torch.equal(summed, x + res)
+    else:
+        out, (q, s, _) = lq.silu_mul_linear_quant(x, qw), quantize_rows_ref(x, gated=True)
+    want = (q.float() * s) @ (qw.data.float() * qw.scale[:, None]).T
+    _check(out, want.to(dtype), dtype, "reduction")
+    # W8A8 differs from W8A16 (the activations are rounded too)
+    assert not torch.equal(out, lq.linear_quant(x if op == "linear" else x[:, :k], qw,
+                                                config=lq.LinearConfig(64, 32, 128)))
 
 
 @pytest.mark.parametrize("m", [1, 37])

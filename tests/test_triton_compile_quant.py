@@ -109,3 +109,24 @@ def test_dequantize_kernel_compiles(compiled):
               quantize_int4(torch.randn(256, 512), symmetric=False)):
         dequantize(w, torch.bfloat16)
     assert [name for name, _ in compiled] == ["_dequant_kernel"] * 3
+
+
+def test_row_quantization_compiles_and_waits_first(compiled, monkeypatch):
+    """W8A8's input kernel (kernels/quant_rows_triton.py) for each prologue: the rows convert
+    to e4m3 with saturation, and as a programmatic dependent it reads and stores nothing
+    before its wait."""
+    from graphexec.kernels import pdl
+    from graphexec.kernels.quant_rows_triton import quantize_rows
+
+    monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
+    h, inter = 4096, 14336
+    quantize_rows(_bf16(64, h))
+    quantize_rows(_bf16(64, h), _bf16(64, h), _bf16(h), 1e-5)
+    quantize_rows(_bf16(64, 2 * inter), gated=True)
+    kernels = [k for name, k in compiled if name == "_quant_rows_kernel"]
+    assert len(kernels) == 3
+    for kernel in kernels:
+        ptx = kernel.asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2" in ptx
+        assert kernel.metadata.launch_pdl
+        assert not re.search(r"ld\.global|st\.global", _before_wait(ptx))
