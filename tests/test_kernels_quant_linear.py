@@ -220,10 +220,13 @@ def test_w8a8_from_min_rows_matches_its_reference(op):
     else:
         out, (q, s, _) = lq.silu_mul_linear_quant(x, qw), quantize_rows_ref(x, gated=True)
     want = (q.float() * s) @ (qw.data.float() * qw.scale[:, None]).T
-    _check(out, want.to(dtype), dtype, "reduction")
-    # W8A8 differs from W8A16 (the activations are rounded too)
-    assert not torch.equal(out, lq.linear_quant(x if op == "linear" else x[:, :k], qw,
-                                                config=lq.LinearConfig(64, 32, 128)))
+    # The fp8 tensor cores keep fewer bits of the running sum than fp32 (about 14), so the
+    # error grows with K: bounded against the output's scale, not element by element.
+    err = (out.float() - want).abs()
+    assert err.max().item() <= 0.03 * want.abs().max().item()
+    assert err.mean().item() <= 0.01 * want.abs().mean().item()
+    if op == "linear":  # W8A8 differs from W8A16 (the activations are rounded too)
+        assert not torch.equal(out, lq.linear_quant(x, qw, config=lq.LinearConfig(64, 32, 128)))
 
 
 @pytest.mark.parametrize("m", [1, 37])
