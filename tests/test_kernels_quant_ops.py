@@ -12,12 +12,18 @@ from kernel_helpers import _check, _randn, kernel_test
 HID, INTER = 128, 256
 
 
-def _sets():
+def _sets(w8a8: bool = True):
+    """The shipped sets; w8a8=False keeps fp8 on W8A16 at every row count (the dequantized
+    reference is then its oracle)."""
+    from dataclasses import replace
+
     from graphexec.kernels.quant_ops import quantized_triton_ops
     from graphexec.kernels.triton_ops import op_set
     from graphexec.kernels.tuning import DEFAULT
 
-    return quantized_triton_ops(op_set("auto", False, DEFAULT), DEFAULT)
+    t = DEFAULT if w8a8 else replace(DEFAULT, quant_linear=replace(
+        DEFAULT.quant_linear, fp8_scaled_mm_min_rows=0))
+    return quantized_triton_ops(op_set("auto", False, t), t)
 
 
 def _layer(fmt, dtype):
@@ -36,7 +42,7 @@ def _layer(fmt, dtype):
 @pytest.mark.parametrize("rows", [1, 40])
 def test_layer_projections_match_the_reference(fmt, rows):
     dtype = torch.bfloat16
-    ops, ref = _sets(), REFERENCE_OPS
+    ops, ref = _sets(w8a8=False), REFERENCE_OPS
     assert ops.name.endswith("-quantized")
     w = _layer(fmt, dtype)
     x = _randn((rows, HID), dtype, 1)
@@ -60,6 +66,37 @@ def test_layer_projections_match_the_reference(fmt, rows):
     h, passed = rank.out_linear(x, w["o"][0], res, None)
     assert passed is res
     _check(h, ref.linear(x, w["o"][1]), dtype, "reduction")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="W8A8 runs on CUDA only")
+def test_layer_projections_on_w8a8_stay_near_the_reference():
+    """fp8 from fp8_scaled_mm_min_rows rows: the activations are rounded to e4m3 too, so a
+    layer's outputs move by a few percent of their scale, no more (a wrong scale or row would
+    move them by their whole size). The kernels' exact oracle is in test_kernels_quant_linear."""
+    from graphexec.kernels.tuning import DEFAULT
+
+    dtype, rows = torch.bfloat16, DEFAULT.quant_linear.fp8_scaled_mm_min_rows + 23
+    ops, ref = _sets(), REFERENCE_OPS
+    w = _layer("fp8", dtype)
+    x, res = _randn((rows, HID), dtype, 1), _randn((rows, HID), dtype, 2)
+    nw = (1 + 0.1 * _randn((HID,), torch.float32, 3)).to(dtype)
+
+    def near(got, want):
+        err = (got.float() - want.float()).abs()
+        assert err.max().item() <= 0.1 * want.float().abs().max().item()
+        assert err.mean().item() <= 0.05 * want.float().abs().mean().item()
+
+    got, got_sum = ops.norm_linear(x, res, nw, 1e-5, w["qkv"][0])
+    want, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["qkv"][1])
+    near(got, want)
+    _check(got_sum, want_sum, dtype)
+    h, stream = ops.out_linear(x, w["o"][0], res, nw)
+    near(h, ref.linear(x, w["o"][1]))
+    h, summed = ops.mlp(x, res, nw, 1e-5, w["gate_up"][0], w["down"][0], nw)
+    gu, _ = ref.norm_linear(x, res, nw, 1e-5, w["gate_up"][1])
+    near(h, ref.silu_mul_linear(gu, w["down"][1]))
+    _check(summed, want_sum, dtype)
 
 
 @kernel_test
