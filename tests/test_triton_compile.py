@@ -476,16 +476,18 @@ def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
 
 
 def test_mask_gate_polls_the_host_flag_with_a_deadline(compiled):
-    """kernels/mask_gate_triton.py for sm_90: the flag is polled with volatile loads (each poll
-    re-reads host memory), the mask words are read volatile too (after the flag, never from a
-    cache), and the wait has its deadline and trap."""
+    """kernels/mask_gate_triton.py for sm_90: one warp polls the flag with volatile loads (each
+    poll re-reads host memory), the flags and mask words are read volatile too (after the
+    flag, never from a cache), and the wait has its deadline and trap."""
     from graphexec.kernels.mask_gate_triton import await_masks
 
     rows = torch.zeros(65, 128256 // 64 + 1, dtype=torch.int64)
     one = lambda: torch.zeros(1, dtype=torch.int64)  # noqa: E731
     await_masks(one(), one(), one(), rows, torch.zeros_like(rows))
-    (name, kernel), = compiled
-    ptx = kernel.asm["ptx"]
-    assert name == "_await_masks_kernel"
-    assert len(re.findall(r"ld\.volatile\.global", ptx)) >= 2, "polls and words from the bus"
+    (wait_name, wait), (copy_name, copy) = compiled
+    assert (wait_name, copy_name) == ("_await_flag_kernel", "_copy_masks_kernel")
+    ptx = wait.asm["ptx"]
+    assert len(re.findall(r"ld\.volatile\.global", ptx)) >= 2, "polls and flags from the bus"
     assert "%globaltimer" in ptx and re.search(r"\btrap;", ptx), "the deadline and its trap"
+    assert wait.metadata.num_warps == 1, "one warp polls"
+    assert "ld.volatile.global" in copy.asm["ptx"], "mask words from the bus"
