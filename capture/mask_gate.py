@@ -30,12 +30,16 @@ _OPEN = 1 << 62  # a ticket no step reaches: lets every waiting step through
 
 
 class MaskGate:
-    def __init__(self, rows: torch.Tensor, num_rows: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, num_rows: torch.Tensor, mask_words: int):
         """rows: DecodeState.grammar_rows, the device buffer the masking kernels read;
-        num_rows: DecodeState.num_rows, how many of them a step's masks cover (0 here)."""
+        num_rows: DecodeState.num_rows, how many of them a step's masks cover (0 here);
+        mask_words: int32 words of one row's mask (vocabulary size / 32, rounded up)."""
         self.rows, self.num_rows = rows, num_rows
-        self.host = torch.zeros(rows.shape, dtype=torch.int64, pin_memory=True)
-        self.host_rows = self.host.numpy()
+        # Masks apart from the flags, so that xgrammar fills them where they are read from:
+        # copying 64 rows' 1 MB into the rows' layout took 0.24 ms a step on a 2-core CPU.
+        self.masks = torch.zeros(rows.shape[0], mask_words, dtype=torch.int32, pin_memory=True)
+        self.flags = torch.zeros(rows.shape[0], dtype=torch.int64, pin_memory=True)
+        self.host_masks, self.host_flags = self.masks.numpy(), self.flags.numpy()
         # the last ticket released, which the device polls
         self.flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._flag = self.flag.numpy()
@@ -45,7 +49,7 @@ class MaskGate:
         self.released = 0
         # Compiled and loaded now, not first under a capture: with no rows in use it copies
         # nothing and waits for nothing.
-        await_masks(self.flag, self.passed, num_rows, self.host, rows)
+        await_masks(self.flag, self.passed, num_rows, self.masks, self.flags, rows)
         self.passed.zero_()
         # A lock's acquire and release are full memory barriers: the mask rows become visible
         # before the flag on hosts that may reorder stores (aarch64; x86 keeps their order).
@@ -55,7 +59,8 @@ class MaskGate:
         """Captures the wait and the copy into the device rows; eager steps skip it (the
         module docstring says why) and get their masks before launch."""
         if torch.cuda.is_current_stream_capturing():
-            await_masks(self.flag, self.passed, self.num_rows, self.host, self.rows)
+            await_masks(self.flag, self.passed, self.num_rows, self.masks, self.flags,
+                        self.rows)
 
     def arm(self) -> int:
         """The ticket of a step about to replay a graph that waits for its masks."""
@@ -66,7 +71,8 @@ class MaskGate:
         return ticket > self.released
 
     def release(self, ticket: int) -> None:
-        """The step holding `ticket` may read host_rows (filled by the caller) now."""
+        """The step holding `ticket` may read host_masks and host_flags (filled by the caller)
+        now."""
         if ticket != self.released + 1:
             raise RuntimeError(f"mask ticket {ticket} released out of order "
                                f"(last {self.released})")

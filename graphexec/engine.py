@@ -348,7 +348,7 @@ class Engine:
         and lets it go on."""
         gate, ticket = self.runner.mask_gate, step.launched.mask_ticket
         if ticket and gate.pending(ticket):
-            fill_grammar_rows(gate.host_rows, step.plan.rows, self._grammars)
+            fill_grammar_rows(gate.host_masks, gate.host_flags, step.plan.rows, self._grammars)
             gate.release(ticket)
 
     def _grammar_in_flight(self) -> bool:

@@ -61,8 +61,8 @@ class ModelRunner:
         self.state = DecodeState(max_rows, max_blocks, model.config.vocab_size, scratch_block,
                                  self.device, tokens_per_step=w, penalties=True)
         # defer_masks: grammar steps launch before their masks exist (capture/mask_gate.py)
-        self.mask_gate = (MaskGate(self.state.grammar_rows, self.state.num_rows) if defer_masks
-                          else None)
+        self.mask_gate = (MaskGate(self.state.grammar_rows, self.state.num_rows,
+                                   -(-model.config.vocab_size // 32)) if defer_masks else None)
         self.state.mask_gate = self.mask_gate
         # A step may stage two copies (its delta and its prefill): eight slots keep the one
         # being rewritten two steps behind the step in flight.

@@ -192,23 +192,24 @@ def grammar_rows(rows: list, grammars: Grammars, held: frozenset[str] = frozense
     """Every row's next-token mask and grammar flag, in DecodeState.grammar_rows' layout: int64
     words of two int32 mask words each, then the flag. held: request ids of grammar rows whose
     speculative step emits nothing (flag MASK_HOLD)."""
+    masks = np.zeros((len(rows), grammars.words), dtype=np.int32)
     out = np.zeros((len(rows), -(-grammars.words // 2) + 1), dtype=np.int64)
-    fill_grammar_rows(out, rows, grammars, held)
+    fill_grammar_rows(masks, out[:, -1], rows, grammars, held)
+    out[:, :-1].view(np.int32)[:, :grammars.words] = masks
     return out
 
 
-def fill_grammar_rows(out: np.ndarray, rows: list, grammars: Grammars,
+def fill_grammar_rows(masks: np.ndarray, flags: np.ndarray, rows: list, grammars: Grammars,
                       held: frozenset[str] = frozenset()) -> None:
-    """Writes the masks and flags of `rows` into out[:len(rows)] (grammar_rows' layout). Rows
-    without a grammar, or already finished (a step launched before the host saw the finish):
-    flag 0, mask words left as they are."""
-    words = out.shape[1] - 1
-    out[:len(rows), words] = 0
+    """Writes the masks of `rows` into masks[:len(rows)] (int32, grammars.words a row, as
+    xgrammar fills them: no copy) and their flags into flags[:len(rows)]. Rows without a
+    grammar, or already finished (a step launched before the host saw the finish): flag 0,
+    mask words left as they are."""
+    flags[:len(rows)] = 0
     idx = [i for i, req in enumerate(rows) if req.grammar is not None and not req.finished]
     if not idx:
         return
-    filled = np.empty((len(idx), grammars.words), dtype=np.int32)
-    grammars.batch.batch_fill_next_token_bitmask([rows[i].grammar.matcher for i in idx], filled)
-    out[:, :words].view(np.int32)[idx, :grammars.words] = filled
+    grammars.batch.batch_fill_next_token_bitmask([rows[i].grammar.matcher for i in idx], masks,
+                                                 idx)
     for i in idx:
-        out[i, words] = MASK_HOLD if rows[i].request_id in held else MASK_ON
+        flags[i] = MASK_HOLD if rows[i].request_id in held else MASK_ON

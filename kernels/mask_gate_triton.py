@@ -29,7 +29,7 @@ TIMEOUT_S = 60.0
 
 
 @triton.jit
-def _await_flag_kernel(flag_ptr, passed_ptr, num_rows_ptr, src_ptr, dst_ptr, row_words,
+def _await_flag_kernel(flag_ptr, passed_ptr, num_rows_ptr, flags_ptr, dst_ptr, row_words,
                        timeout_ns, ROWS: tl.constexpr, THREADS: tl.constexpr):
     """Waits for the step's ticket, then copies the grammar flag of every row in use."""
     n = tl.load(num_rows_ptr)
@@ -47,19 +47,21 @@ def _await_flag_kernel(flag_ptr, passed_ptr, num_rows_ptr, src_ptr, dst_ptr, row
         if seen < ticket:
             _trap()
         rows = tl.arange(0, ROWS)
-        flags = rows.to(tl.int64) * row_words + row_words - 1
         # volatile: read after the flag, from the bus, never from a cache
-        on = tl.load(src_ptr + flags, mask=rows < n, other=0, volatile=True)
-        tl.store(dst_ptr + flags, on, mask=rows < n)
+        on = tl.load(flags_ptr + rows, mask=rows < n, other=0, volatile=True)
+        tl.store(dst_ptr + rows.to(tl.int64) * row_words + row_words - 1, on, mask=rows < n)
 
 
 @triton.jit
-def _copy_masks_kernel(num_rows_ptr, src_ptr, dst_ptr, row_words, BLOCK: tl.constexpr):
-    """Row program_id's mask words, if the flag _await_flag_kernel copied is set."""
+def _copy_masks_kernel(num_rows_ptr, masks_ptr, dst_ptr, dst_words_ptr, row_words, mask_words,
+                       BLOCK: tl.constexpr):
+    """Row program_id's mask (int32 words) if the flag _await_flag_kernel copied is set: from
+    its own host row into the int32 view of its device row, whose last int64 is the flag."""
     row = tl.program_id(0).to(tl.int64)
     if row < tl.load(num_rows_ptr):
-        src, dst, mask_words = src_ptr + row * row_words, dst_ptr + row * row_words, row_words - 1
-        if tl.load(dst + mask_words) != 0:
+        if tl.load(dst_ptr + row * row_words + row_words - 1) != 0:
+            src = masks_ptr + row * mask_words
+            dst = dst_words_ptr + row * (2 * row_words)  # dst's rows as int32 words
             for start in range(0, mask_words, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 inb = offs < mask_words
@@ -68,15 +70,16 @@ def _copy_masks_kernel(num_rows_ptr, src_ptr, dst_ptr, row_words, BLOCK: tl.cons
 
 
 def await_masks(flag: torch.Tensor, passed: torch.Tensor, num_rows: torch.Tensor,
-                src: torch.Tensor, dst: torch.Tensor, *,
+                masks: torch.Tensor, flags: torch.Tensor, dst: torch.Tensor, *,
                 tuning: SamplingTuning = DEFAULT.sampling,
                 timeout_s: float = TIMEOUT_S) -> torch.Tensor:
-    """flag and src in pinned host memory, passed, num_rows and dst on the device (shapes as
-    the reference's)."""
+    """flag, masks and flags in pinned host memory, passed, num_rows and dst on the device
+    (shapes as the reference's)."""
     rows, row_words = dst.shape
-    _await_flag_kernel[(1,)](flag, passed, num_rows, src, dst, row_words, int(timeout_s * 1e9),
+    _await_flag_kernel[(1,)](flag, passed, num_rows, flags, dst, row_words, int(timeout_s * 1e9),
                              ROWS=triton.next_power_of_2(rows), THREADS=32, num_warps=1)
-    _copy_masks_kernel[(rows,)](num_rows, src, dst, row_words, BLOCK=tuning.mask_copy_block,
-                                num_warps=4)
+    _copy_masks_kernel[(rows,)](num_rows, masks, dst, dst.view(torch.int32), row_words,
+                                masks.shape[1],
+                                BLOCK=tuning.mask_copy_block, num_warps=4)
     passed.add_(1)  # after the wait read it
     return dst

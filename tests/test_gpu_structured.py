@@ -126,11 +126,12 @@ def _captured_pull(gate):
     return graph
 
 
-def _gate(rows: int, words: int):
+def _gate(rows: int, mask_words: int):
     from graphexec.capture.mask_gate import MaskGate
 
+    words = -(-mask_words // 2) + 1  # DecodeState.grammar_rows' row: the mask, then the flag
     return MaskGate(torch.zeros(rows, words, dtype=torch.int64, device="cuda"),
-                    torch.zeros(1, dtype=torch.int64, device="cuda"))
+                    torch.zeros(1, dtype=torch.int64, device="cuda"), mask_words)
 
 
 def test_the_device_waits_for_the_flag():
@@ -139,11 +140,12 @@ def test_the_device_waits_for_the_flag():
     raised the rows in use arrive whole (against the reference's copy)."""
     from graphexec.kernels.mask_gate import await_masks_ref
 
-    gate = _gate(9, 2005)
+    gate = _gate(9, 4009)
     graph = _captured_pull(gate)
     rng = np.random.default_rng(0)
     for step, num_rows in enumerate((9, 4)):
-        gate.host_rows[:] = rng.integers(-2**62, 2**62, size=gate.host_rows.shape)
+        gate.host_masks[:] = rng.integers(-2**31, 2**31, size=gate.host_masks.shape)
+        gate.host_flags[:] = rng.integers(0, 3, size=gate.host_flags.shape)
         gate.num_rows.fill_(num_rows)
         ticket = gate.arm()
         before, passed = gate.rows.cpu(), gate.passed.cpu()
@@ -156,26 +158,29 @@ def test_the_device_waits_for_the_flag():
             assert gate.flag.item() == ticket - 1
         gate.release(ticket)
         done.synchronize()
-        want = await_masks_ref(gate.flag, passed, gate.num_rows.cpu(), gate.host, before)
+        want = await_masks_ref(gate.flag, passed, gate.num_rows.cpu(), gate.masks, gate.flags,
+                               before)
         assert torch.equal(gate.rows.cpu(), want)
         assert int(gate.passed) == int(passed) == ticket
 
 
 def test_a_release_from_another_thread_lets_the_step_through():
     """The host may release while the device already spins (the usual order under async)."""
-    gate = _gate(4, 100)
+    gate = _gate(4, 198)
     graph = _captured_pull(gate)
     gate.num_rows.fill_(4)
     ticket = gate.arm()
     graph.replay()
 
     def fill_and_release():  # the rows are written while the device already spins
-        gate.host_rows[:] = 7
+        gate.host_masks[:] = 7
+        gate.host_flags[:] = 1
         gate.release(ticket)
 
     threading.Timer(0.1, fill_and_release).start()
     torch.cuda.synchronize()
-    assert int(gate.rows.sum()) == 7 * gate.rows.numel()
+    assert torch.equal(gate.rows[:, -1].cpu(), torch.ones(4, dtype=torch.int64))
+    assert bool((gate.rows[:, :-1].view(torch.int32)[:, :gate.masks.shape[1]] == 7).all())
 
 
 def test_an_error_mid_step_leaves_no_step_waiting(monkeypatch):

@@ -228,3 +228,38 @@ def _byte_tokens(tok) -> dict[int, int]:
     from test_text import _bytes_to_unicode
 
     return {b: tok._tok.token_to_id(c) for b, c in enumerate(_bytes_to_unicode())}
+
+
+@pytest.mark.parametrize("vocab", [512, 544])  # 16 and 17 int32 mask words a row
+def test_gate_rows_arrive_as_the_launch_rows(vocab):
+    """Under a MaskGate the host fills masks and flags apart (capture/mask_gate.py) and the
+    device copies them into DecodeState.grammar_rows' layout (kernels/mask_gate.py's
+    reference here); the rows that arrive equal grammar_rows', which steps given their masks
+    at launch copy whole. Rows: constrained, held, finished, none."""
+    import numpy as np
+    import torch
+
+    from graphexec.kernels.mask_gate import await_masks_ref
+    from graphexec.structured import Grammars, fill_grammar_rows, grammar_rows
+
+    grammars = Grammars.for_vocab([f"t{i}" for i in range(vocab - 4)] + ["{", "}", '"', ":"],
+                                  [0])
+
+    class Row:
+        def __init__(self, rid, constrained=True, finished=False):
+            self.request_id, self.finished = rid, finished
+            self.grammar = grammars.matcher(S(json_object=True)) if constrained else None
+
+    rows = [Row("a"), Row("b"), Row("c", finished=True), Row("d", constrained=False), Row("e")]
+    rows[4].grammar.accept(vocab - 4)  # "{": a mask unlike the others'
+    held = frozenset({"b"})
+    masks = np.full((6, grammars.words), -1, dtype=np.int32)
+    flags = np.full(6, 5, dtype=np.int64)
+    fill_grammar_rows(masks, flags, rows, grammars, held)
+    dst = torch.zeros(6, -(-grammars.words // 2) + 1, dtype=torch.int64)
+    await_masks_ref(torch.tensor([1]), torch.tensor([0]), torch.tensor([len(rows)]),
+                    torch.from_numpy(masks), torch.from_numpy(flags), dst)
+    want = grammar_rows(rows, grammars, held)
+    assert list(want[:, -1]) == [1, 2, 0, 0, 1]  # MASK_ON, MASK_HOLD, finished, none, MASK_ON
+    assert np.array_equal(dst[:len(rows)].numpy(), want)
+    assert not np.array_equal(want[0], want[4])

@@ -483,7 +483,8 @@ def test_mask_gate_polls_the_host_flag_with_a_deadline(compiled):
 
     rows = torch.zeros(65, 128256 // 64 + 1, dtype=torch.int64)
     one = lambda: torch.zeros(1, dtype=torch.int64)  # noqa: E731
-    await_masks(one(), one(), one(), rows, torch.zeros_like(rows))
+    await_masks(one(), one(), one(), torch.zeros(65, 128256 // 32, dtype=torch.int32),
+                torch.zeros(65, dtype=torch.int64), rows)
     (wait_name, wait), (copy_name, copy) = compiled
     assert (wait_name, copy_name) == ("_await_flag_kernel", "_copy_masks_kernel")
     ptx = wait.asm["ptx"]

@@ -24,10 +24,11 @@ def time_pull(vocab: int, rows: int, constrained: int, replays: int) -> dict:
     words = -(-vocab // 64) + 1  # DecodeState.grammar_rows' row: mask words, then the flag
     dev = torch.device("cuda")
     gate = MaskGate(torch.zeros(rows + 1, words, dtype=torch.int64, device=dev),
-                    torch.zeros(1, dtype=torch.int64, device=dev))  # no rows in use yet
+                    torch.zeros(1, dtype=torch.int64, device=dev),  # no rows in use yet
+                    -(-vocab // 32))
     gate.num_rows.fill_(rows)
-    gate.host_rows[:, -1] = 0
-    gate.host_rows[:constrained, -1] = MASK_ON
+    gate.host_flags[:] = 0
+    gate.host_flags[:constrained] = MASK_ON
     gate.open()  # every ticket is through: only the copy and the launch are timed
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -41,7 +42,7 @@ def time_pull(vocab: int, rows: int, constrained: int, replays: int) -> dict:
     end.record()
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / replays
-    moved = constrained * (words - 1) * 8
+    moved = constrained * gate.masks.shape[1] * 4
     return dict(vocab=vocab, rows=rows, constrained=constrained, us_per_pull=round(us, 2),
                 mask_bytes=moved, gb_per_s=round(moved / us / 1e3, 2) if moved else None)
 
