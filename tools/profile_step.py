@@ -1,6 +1,7 @@
 """Where one decode iteration's GPU time goes: kernel by kernel, inside the captured graph.
 
-`python tools/profile_step.py --model llama-1b --batch 1 [--replays 20] [--out DIR]`
+`python tools/profile_step.py --model llama-1b --batch 1 [--replays 20] [--quantization fp8]
+[--out DIR]`
 (`--model llama-8b-tp2rank`: one tensor-parallel rank's share, tools/rank_shapes.py)
 
 Brings a batch to steady-state decode, then replays its graph under torch.profiler (CUPTI sees
@@ -75,13 +76,15 @@ def _launch_host_us(replay, reps: int) -> list[float]:
 
 
 def profile_step(model: str, batch: int, replays: int, prompt_len: int = 128,
-                 projections: str = "auto", spec: str | None = None, spec_k: int = 4) -> dict:
+                 projections: str = "auto", spec: str | None = None, spec_k: int = 4,
+                 quantization: str | None = None) -> dict:
     """spec: a draft ("self:4", a preset or a directory): profile the speculative iteration
-    (all-greedy variant) with spec_k draft tokens instead of plain decode."""
+    (all-greedy variant) with spec_k draft tokens instead of plain decode. quantization: the
+    weights quantized at load ("fp8", "int4")."""
     speculative = SpeculativeConfig(spec, spec_k) if spec else None
     llm = LLM(model, max_batch=max(batch, 1), max_model_len=prompt_len + 512,
               buckets=[batch], num_kv_blocks=batch * 48 + 8, projections=projections,
-              speculative=speculative)
+              speculative=speculative, quantization=quantization)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -197,6 +200,8 @@ def main() -> None:
     ap.add_argument("--spec", default=None,
                     help="draft of a speculative engine (e.g. self:4): profile its iteration")
     ap.add_argument("--spec-k", type=int, default=4)
+    ap.add_argument("--quantization", default=None, choices=["fp8", "int4", "int4_asym"],
+                    help="weights quantized at load")
     ap.add_argument("--out", default="out")
     ap.add_argument("--engine-gaps", type=int, default=0, metavar="STEPS",
                     help="instead: time the gaps between iterations of the async loop")
@@ -218,8 +223,9 @@ def main() -> None:
         return
     for b, proj in itertools.product(args.batch, args.projections):
         res = profile_step(args.model, b, args.replays, projections=proj, spec=args.spec,
-                           spec_k=args.spec_k)
+                           spec_k=args.spec_k, quantization=args.quantization)
         tag = f"_spec{args.spec.replace(':', '')}k{args.spec_k}" if args.spec else ""
+        tag += f"_{args.quantization}" if args.quantization else ""
         path = os.path.join(args.out, f"profile_{args.model}_b{b}_{proj}{tag}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
