@@ -53,18 +53,18 @@ def _await_flag_kernel(flag_ptr, passed_ptr, num_rows_ptr, flags_ptr, dst_ptr, r
 
 
 @triton.jit
-def _copy_masks_kernel(num_rows_ptr, masks_ptr, dst_ptr, dst_words_ptr, row_words, mask_words,
-                       BLOCK: tl.constexpr):
-    """Row program_id's mask (int32 words) if the flag _await_flag_kernel copied is set: from
-    its own host row into the int32 view of its device row, whose last int64 is the flag."""
+def _copy_masks_kernel(num_rows_ptr, src_ptr, dst_ptr, words_ptr, row_words, src_stride,
+                       dst_stride, n_words, BLOCK: tl.constexpr):
+    """Row program_id's mask if the flag _await_flag_kernel copied into dst is set: n_words
+    words from src (its host row) to words_ptr (the same device row seen as words of src's
+    size; the row's last int64 is the flag)."""
     row = tl.program_id(0).to(tl.int64)
     if row < tl.load(num_rows_ptr):
         if tl.load(dst_ptr + row * row_words + row_words - 1) != 0:
-            src = masks_ptr + row * mask_words
-            dst = dst_words_ptr + row * (2 * row_words)  # dst's rows as int32 words
-            for start in range(0, mask_words, BLOCK):
+            src, dst = src_ptr + row * src_stride, words_ptr + row * dst_stride
+            for start in range(0, n_words, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                inb = offs < mask_words
+                inb = offs < n_words
                 words = tl.load(src + offs, mask=inb, other=0, volatile=True)
                 tl.store(dst + offs, words, mask=inb)
 
@@ -78,8 +78,12 @@ def await_masks(flag: torch.Tensor, passed: torch.Tensor, num_rows: torch.Tensor
     rows, row_words = dst.shape
     _await_flag_kernel[(1,)](flag, passed, num_rows, flags, dst, row_words, int(timeout_s * 1e9),
                              ROWS=triton.next_power_of_2(rows), THREADS=32, num_warps=1)
-    _copy_masks_kernel[(rows,)](num_rows, masks, dst, dst.view(torch.int32), row_words,
-                                masks.shape[1],
+    mask_words = masks.shape[1]
+    if mask_words % 2 == 0:  # as int64 words: half the loads across the bus
+        src, words, n, dst_stride = masks.view(torch.int64), dst, mask_words // 2, row_words
+    else:
+        src, words, n, dst_stride = masks, dst.view(torch.int32), mask_words, 2 * row_words
+    _copy_masks_kernel[(rows,)](num_rows, src, dst, words, row_words, n, dst_stride, n,
                                 BLOCK=tuning.mask_copy_block, num_warps=4)
     passed.add_(1)  # after the wait read it
     return dst
