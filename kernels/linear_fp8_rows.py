@@ -64,8 +64,28 @@ def linear_fp8_rows(x: torch.Tensor, weight: QuantizedWeight,
     return scaled_mm(q, scale, weight, bias, x.dtype)
 
 
+def _dequantized_mm(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
+                    bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    w = weight.data.float() * weight.scale[:, None]
+    return F.linear(q.float() * scale, w, None if bias is None else bias.float()).to(dtype)
+
+
 def linear_fp8_rows_ref(x: torch.Tensor, weight: QuantizedWeight,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     xq, xs = quantize_rows(x)
-    w = weight.data.float() * weight.scale[:, None]
-    return F.linear(xq.float() * xs, w, None if bias is None else bias.float()).to(x.dtype)
+    return _dequantized_mm(xq, xs, weight, bias, x.dtype)
+
+
+def norm_linear_fp8_rows_ref(x: torch.Tensor, residual: torch.Tensor | None,
+                             norm_weight: torch.Tensor, eps: float, weight: QuantizedWeight,
+                             bias: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8 after the norm (the quantized op set's norm_linear): (projection, x + residual)."""
+    q, scale, summed = quantize_rows_ref(x, residual, norm_weight, eps)
+    return _dequantized_mm(q, scale, weight, bias, x.dtype), summed
+
+
+def silu_mul_linear_fp8_rows_ref(gate_up: torch.Tensor, weight: QuantizedWeight,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    q, scale, _ = quantize_rows_ref(gate_up, gated=True)
+    return _dequantized_mm(q, scale, weight, bias, gate_up.dtype)

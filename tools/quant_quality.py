@@ -35,12 +35,27 @@ def _text_ids(source, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
+def w8a8_ops():
+    """The reference set with fp8 projections as the GPU runs them from
+    QuantLinearTuning.fp8_scaled_mm_min_rows rows (a prefill's): the activations quantized per
+    row too (kernels/linear_fp8_rows.py)."""
+    from graphexec.kernels import linear_fp8_rows as w8a8
+    from graphexec.kernels.quant_ops import QuantizedOps
+
+    return QuantizedOps(REFERENCE_OPS, w8a8.linear_fp8_rows_ref, w8a8.norm_linear_fp8_rows_ref,
+                        w8a8.silu_mul_linear_fp8_rows_ref).ops()
+
+
 def logits_over(source, ids: list[int], method: str | None, group_size: int,
-                kv_dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """[T, vocab] fp32 logits of one causal prefill over ids, and the weights' bytes."""
+                kv_dtype: torch.dtype, activations_fp8: bool = False
+                ) -> tuple[torch.Tensor, int]:
+    """[T, vocab] fp32 logits of one causal prefill over ids, and the weights' bytes.
+    activations_fp8: fp8 weights run W8A8 (w8a8_ops)."""
     mc, weights = load_model(source, CPU, torch.float32)
     weights = quantize_weights(weights, method, group_size)
     ops = quantized_ops(REFERENCE_OPS, CPU) if is_quantized(weights) else REFERENCE_OPS
+    if activations_fp8:
+        ops = w8a8_ops()
     model = LlamaModel(mc, weights, ops, max_positions=len(ids) + 1)
     bs, n = 16, len(ids)
     blocks = -(-n // bs)
@@ -68,6 +83,7 @@ def main() -> None:
     ids = _text_ids(source, args.tokens)
     fp8_kv = torch.float8_e4m3fn
     runs = [("none", None, torch.float32), ("fp8", "fp8", torch.float32),
+            ("fp8, W8A8 (activations per row too)", "fp8", torch.float32),
             (f"int4 g{args.group_size}", "int4", torch.float32),
             (f"int4_asym g{args.group_size}", "int4_asym", torch.float32),
             ("none, fp8 KV", None, fp8_kv), ("fp8, fp8 KV", "fp8", fp8_kv)]
@@ -78,7 +94,8 @@ def main() -> None:
     print("| weights | top-1 agreement | mean KL (nats) | weight bytes |")
     print("|---|---|---|---|")
     for name, method, kv_dtype in runs:
-        logits, nbytes = logits_over(source, ids, method, args.group_size, kv_dtype)
+        logits, nbytes = logits_over(source, ids, method, args.group_size, kv_dtype,
+                                     activations_fp8="W8A8" in name)
         log_q = torch.log_softmax(logits, -1)
         agree = (logits.argmax(-1) == dense.argmax(-1)).float().mean().item()
         kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
