@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import linear_tiles_triton as tiles
 from . import pdl
 
 MAX_ROW = 32768  # elements a program holds (llama-70b's down projection takes 28,672)
@@ -31,33 +32,28 @@ def _new(shape, dtype, device) -> torch.Tensor:
 def _quant_rows_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, s_ptr, K, sx, sr, eps,
                        NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program r: row r through the prologue (the projections' own tile functions, so rounded
+    as the separate norm and activation kernels round), then quantized."""
     pdl.prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rm = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # one row, as a [1] tile
+    m_ok = rm >= 0
     ks = tl.arange(0, BLOCK_K)
-    ok = ks < K
+    k_ok = ks < K
     dtype = sum_ptr.dtype.element_ty  # x's dtype
-    xv = tl.load(x_ptr + row * sx + ks, mask=ok, other=0.0)
-    if GATED:  # x holds [gate | up]; rounded as kernels/activation_triton.py
-        up = tl.load(x_ptr + row * sx + K + ks, mask=ok, other=0.0)
-        g = xv.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-        xv = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
-    if NORM:  # rounded as kernels/rmsnorm.py: the sum, then x / rms, then times the weight
-        if HAS_RES:
-            rv = tl.load(r_ptr + row * sr + ks, mask=ok, other=0.0)
-            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
-            tl.store(sum_ptr + row * K + ks, xv, mask=ok)
-        xf = xv.to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / K + eps)
-        nw = tl.load(nw_ptr + ks, mask=ok, other=0.0)
-        y = (xf * rstd).to(dtype)
-        xv = (y.to(tl.float32) * nw.to(tl.float32)).to(dtype)
-    xf = xv.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=0)
+    x_rows, r_rows = x_ptr + rm[:, None] * sx, r_ptr + rm[:, None] * sr
+    rstd = eps  # a placeholder unless NORM
+    if NORM:  # x + residual stored as the new residual stream, and its 1 / rms
+        xf = tiles._summed_tile(x_rows, r_rows, sum_ptr + rm[:, None] * K, ks,
+                                m_ok[:, None] & k_ok[None, :], True, dtype,
+                                HAS_RES).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=1) / K + eps)
+    xf = tiles._input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype, NORM,
+                           HAS_RES, GATED).to(tl.float32)
+    amax = tl.max(tl.abs(xf), axis=1)
     scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)  # 448: quant.FP8_MAX
-    q = tl.clamp(tl.div_rn(xf, scale), -448.0, 448.0)
-    tl.store(q_ptr + row * K + ks, q.to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row, scale)
+    q = tl.clamp(tl.div_rn(xf, scale[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + rm[:, None] * K + ks[None, :], q.to(tl.float8e4nv), mask=k_ok[None, :])
+    tl.store(s_ptr + rm, scale)
 
 
 def supported(x: torch.Tensor, gated: bool = False) -> bool:
