@@ -19,6 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from graphexec.capture.mask_gate import MaskGate  # noqa: E402
 from graphexec.structured import MASK_ON  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tune_linear import time_graph  # noqa: E402
+
 
 def time_pull(vocab: int, rows: int, constrained: int, replays: int) -> dict:
     words = -(-vocab // 64) + 1  # DecodeState.grammar_rows' row: mask words, then the flag
@@ -30,18 +33,7 @@ def time_pull(vocab: int, rows: int, constrained: int, replays: int) -> dict:
     gate.host_flags[:] = 0
     gate.host_flags[:constrained] = MASK_ON
     gate.open()  # every ticket is through: only the copy and the launch are timed
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gate.pull()
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    us = start.elapsed_time(end) * 1e3 / replays
+    us = time_graph(lambda i: gate.pull(), 1, reps=replays) * 1e6  # pull() waits only captured
     moved = constrained * gate.masks.shape[1] * 4
     return dict(vocab=vocab, rows=rows, constrained=constrained, us_per_pull=round(us, 2),
                 mask_bytes=moved, gb_per_s=round(moved / us / 1e3, 2) if moved else None)
