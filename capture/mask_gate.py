@@ -13,10 +13,10 @@ release, and a kernel's first launch loads its module, which waits for the devic
 (found on the H100 with eager mixed steps). Eager grammar steps read the step in flight and get
 their masks before launch instead.
 
-One pinned buffer is enough. The host fills the masks of step n + 1 only after it has read step
-n, so step n's copy is done, and step n + 1's copy waits for the flag. The flag holds the last
-ticket released and tickets only grow, so a flag raised for an earlier step never lets a later
-one through.
+One set of pinned buffers is enough. The host fills the masks of step n + 1 only after it has
+read step n, so step n's copy is done, and step n + 1's copy waits for the flag. The flag holds
+the last ticket released and tickets only grow, so a flag raised for an earlier step never lets
+a later one through.
 """
 from __future__ import annotations
 
