@@ -17,7 +17,8 @@ Each program owns BLOCK_M rows x BLOCK_N columns; one-row batches use CUDA-core 
 and linear_triton's partial-sum kernel adds the fp32 partials in split order (deterministic).
 
 fp8 weights from QuantLinearTuning.fp8_scaled_mm_min_rows rows take W8A8 instead
-(takes_w8a8): the norm or activation kernel quantizes the rows, torch._scaled_mm multiplies.
+(takes_w8a8): the norm or activation kernel quantizes the rows, kernels/linear_w8a8_triton.py
+(or torch._scaled_mm past 64 rows) multiplies.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ import triton.language as tl
 from . import linear_fp8_rows, quant_rows_triton
 from . import linear_tiles_triton as tiles
 from . import pdl
-from .linear_fp8_rows import scaled_mm
+from .linear_w8a8_triton import matmul_rows
 from .quant_rows_triton import quantize_rows
-from .linear_triton import _split_sum_kernel
+from .linear_triton import _split_k, sum_splits
 from .dequant_triton import dequantize
 from .linear_quant import linear_quant_ref
 from .quant import QuantizedWeight
@@ -89,11 +90,20 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
-             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
-    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load, each spread to its eight
-    values (value j at bits 4j): k = word * 8 + j, the order of the reshape."""
+def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, dtype: tl.constexpr, GROUP: tl.constexpr,
+             HAS_ZERO: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """(the weight tile [BLOCK_N, BLOCK_K], the tile's group scale [BLOCK_N], the offset
+    [BLOCK_N] the tile's values carry). The words [BLOCK_N, BLOCK_K / 8] come in one vector
+    load, each spread to its eight nibbles u (value j at bits 4j, k = word * 8 + j).
+
+    A nibble becomes a float without an int-to-float conversion (a quarter-rate instruction
+    that bound this kernel): OR-ed into the mantissa of a power of two M whose mantissa step
+    is 1, its bits read as the float M + u. One row (CUDA cores) takes fp32's M = 2^23 and
+    subtracts M + zero + 8 per element, so the tile is the exact code q - zero (offset 0).
+    Tensor-core tiles take M = 128 (bf16) or 1024 (fp16) in the activation dtype as they are
+    and return M + zero + 8 as the offset: the caller subtracts offset * sum(x) from the
+    tile's dot."""
     wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
                            BLOCK_K // 8)
     words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
@@ -102,42 +112,56 @@ def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
     u = tl.reshape(u, [BLOCK_N, BLOCK_K])
     g = k0 // GROUP
     scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
+    offset = tl.full([BLOCK_N], 8.0, tl.float32)
     if HAS_ZERO:
-        offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
+        offset += tl.load(z_rows + g, mask=n_ok, other=0).to(tl.float32)
+    if DOT:
+        if dtype == tl.float16:
+            w = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            offset += 1024.0
+        else:
+            w = (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            offset += 128.0
     else:
-        offset = tl.full([BLOCK_N], 8, tl.int32)
-    return (u - offset[:, None]).to(tl.float32), scale
+        w = (u | 0x4B000000).to(tl.float32, bitcast=True) - (offset + 8388608.0)[:, None]
+        offset = tl.zeros([BLOCK_N], tl.float32)
+    return w, scale, offset
 
 
 @triton.jit
-def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
-                SCALED: tl.constexpr):
-    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
-    output column when SCALED. Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums;
-    one row (BLOCK_M 1) adds the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
+def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc plus x [BLOCK_M, BLOCK_K] times the fp8 w [BLOCK_N, BLOCK_K] transposed.
+    Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds the
+    [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if SCALED:
-            p = p * scale[None, :]
     else:
-        xs = x.to(tl.float32)
-        if SCALED:
-            xs = xs * scale[:, None]
-        p = w.to(tl.float32) * xs
+        p = w.to(tl.float32) * x.to(tl.float32)
     return acc + p
 
 
 @triton.jit
-def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
-          NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
-          UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K block: the input tile through the prologue, times the weight tile w."""
+def _w4_step(acc, w, scale, offset, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd,
+             dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+             GATED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """One K block of int4 (_w4_tile): a tensor-core tile's dot less offset * sum(x) per row
+    and column, then the group scale."""
     x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
                 BLOCK_K)
-    return _accumulate(acc, x, w, scale, DOT, UPCAST, SCALED)
+    if DOT:
+        if UPCAST:
+            p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            p = tl.dot(x, tl.trans(w))
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        acc += (p - x_sum[:, None] * offset[None, :]) * scale[None, :]
+    else:
+        acc += w * (x.to(tl.float32) * scale[:, None])
+    return acc
 
 
 @triton.jit
@@ -153,11 +177,12 @@ def _w8_step(acc, ss, w, x_rows, r_rows, nw_ptr, sum_rows, K, k0, k_hi, m_ok, rs
         ks = k0 + tl.arange(0, BLOCK_K)
         x, part = tiles._unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, ks < k_hi,
                                             m_ok, writes_sum, dtype, HAS_RES)
-        acc = _accumulate(acc, x, w, w, DOT, UPCAST, False)
+        acc = _accumulate(acc, x, w, DOT, UPCAST)
         ss += part
     else:
-        acc = _step(acc, w, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM,
-                    HAS_RES, GATED, DOT, UPCAST, False, BLOCK_K)
+        x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, BLOCK_K)
+        acc = _accumulate(acc, x, w, DOT, UPCAST)
     return acc, ss
 
 
@@ -168,20 +193,6 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     return acc
-
-
-@triton.jit
-def _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.constexpr):
-    """The output tile [BLOCK_M, BLOCK_N] (plus the bias), or under split K the fp32
-    partial."""
-    flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if tl.num_programs(1) == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + flat, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + flat, acc, mask=mask)
 
 
 @triton.jit
@@ -249,7 +260,7 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
     if ONE_PASS:
         acc = acc * (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    _store(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+    tiles.store_tile(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -275,24 +286,24 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
-                                  BLOCK_N, BLOCK_K)
+        w0, scale0, offset0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, dtype, GROUP,
+                                       HAS_ZERO, DOT, BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
-        acc = _step(acc, codes0, scale0, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM,
-                    HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
+        acc = _w4_step(acc, w0, scale0, offset0, *prologue, k_lo, k_hi, m_ok, rstd, dtype,
+                       NORM, HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
-                                BLOCK_N, BLOCK_K)
-        acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, DOT, UPCAST, True, BLOCK_K)
+        w, scale, offset = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, dtype, GROUP,
+                                    HAS_ZERO, DOT, BLOCK_N, BLOCK_K)
+        acc = _w4_step(acc, w, scale, offset, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM,
+                       HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
-    _store(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+    tiles.store_tile(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
 def pick_config(m: int, n: int, k: int, block_k_max: int, int4: bool = False,
@@ -302,9 +313,7 @@ def pick_config(m: int, n: int, k: int, block_k_max: int, int4: bool = False,
     cfg = t.config_for(m, n, int4)
     block_k = min(cfg.block_k, block_k_max)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    split = 1
-    while programs * split < t.split_programs and k // (split * 2) >= 2 * block_k:
-        split *= 2
+    split = _split_k(programs, t.split_programs, k, block_k)
     return LinearConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps,
                         cfg.num_stages), split
 
@@ -366,13 +375,7 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                             k // 8, k_per_split, x.stride(0), r.stride(0), eps, GROUP=group,
                             HAS_ZERO=weight.zero is not None, **tiles)
     if split > 1:
-        block = min(t.split_sum_block, triton.next_power_of_2(n))
-        _split_sum_kernel[(m, triton.cdiv(n, block))](
-            ws, out, out, out, out, out, out, m, n, 0, 0, SPLIT=split, BLOCK=block,
-            RES_OUT=False, NORM_OUT=False, PDL=dependent, PUSH=False, RANK=0, WORLD=1,
-            num_warps=4, launch_pdl=dependent)
-        if bias is not None:
-            out += bias
+        sum_splits(ws, out, bias, t.split_sum_block)
     return out, summed
 
 
@@ -383,7 +386,7 @@ def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     its split_k is the K split."""
     if config is None and takes_w8a8(x, weight, t):
         q, scale, _ = quantize_rows(x)
-        return scaled_mm(q, scale, weight, bias, x.dtype)
+        return matmul_rows(q, scale, weight, bias, x.dtype, t)
     if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
         if supported(x, weight, x.shape[0]):  # many rows: the dense GEMM on a one-pass copy
             return F.linear(x, dequantize(weight, x.dtype, t), bias)
@@ -422,7 +425,7 @@ def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
             and all(v.dtype == x.dtype and v.is_contiguous()
                     for v in (residual, norm_weight) if v is not None)):
         q, scale, summed = quantize_rows(x, residual, norm_weight, eps)
-        return scaled_mm(q, scale, weight, bias, x.dtype), summed
+        return matmul_rows(q, scale, weight, bias, x.dtype, t), summed
     if (not _fuses(x, config, t) or not supported(x, weight, x.shape[0], 1, residual,
                                                   norm_weight)
             or (residual is not None and residual.shape != x.shape)):
@@ -441,7 +444,7 @@ def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
     Reference: linear_quant.silu_mul_linear_quant_ref."""
     if config is None and takes_w8a8(gate_up, weight, t, gated=True):
         q, scale, _ = quantize_rows(gate_up, gated=True)
-        return scaled_mm(q, scale, weight, bias, gate_up.dtype)
+        return matmul_rows(q, scale, weight, bias, gate_up.dtype, t)
     if not _fuses(gate_up, config, t) or not supported(gate_up, weight, gate_up.shape[0], 2):
         from .activation_triton import silu_mul
 

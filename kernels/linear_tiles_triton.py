@@ -235,3 +235,17 @@ def norm_out(h, flat, rm, rn, m_ok, n_ok, tile, M, nw_ptr, g_ptr, ss_ptr):
     nw = tl.load(nw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(g_ptr + flat, (hf * nw[None, :]).to(h.dtype), mask=m_ok[:, None] & n_ok[None, :])
     tl.store(ss_ptr + tile * M + rm, tl.sum(hf * hf, axis=1), mask=m_ok)
+
+
+@triton.jit
+def store_tile(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS: tl.constexpr):
+    """The output tile [BLOCK_M, BLOCK_N] (plus the bias), or under split K the fp32
+    partial."""
+    flat = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if tl.num_programs(1) == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + flat, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + flat, acc, mask=mask)

@@ -113,6 +113,16 @@ class QuantLinearTuning:
     # four projections took 113 us against W8A16's 177 at 32 rows and 112 against 183 at 64;
     # even at 16 (118 against 121), and above 64 rows 2-3x faster than the dense copy.
     fp8_scaled_mm_min_rows: int = 17
+    # W8A8's GEMM up to this many rows (kernels/linear_w8a8_triton.py), torch._scaled_mm
+    # above: cuBLASLt's 128-column tiles leave most SMs idle on a decode batch. Its tile:
+    # every row, block_n columns, K split until the programs reach w8a8_programs (H100,
+    # tools/lab/w8a8_triton.py).
+    w8a8_triton_max_rows: int = 64
+    w8a8_block_n: int = 64
+    w8a8_block_k: int = 256
+    w8a8_stages: int = 4
+    w8a8_warps: int = 4
+    w8a8_programs: int = 128
     # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
     # until there are split_programs programs.
     split_programs: int = 264

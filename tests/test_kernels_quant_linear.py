@@ -229,6 +229,33 @@ def test_w8a8_from_min_rows_matches_its_reference(op):
         assert not torch.equal(out, lq.linear_quant(x, qw, config=lq.LinearConfig(64, 32, 128)))
 
 
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,split", big([(17, 6144, 4096, None), (64, 4096, 14336, None),
+                                              (40, 1000, 896, 3)],
+                                             [(5, 40, 256, None), (17, 72, 512, 2),
+                                              (33, 64, 384, 3)]))
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_rows_match_their_reference(m, n, k, split, bias):
+    """W8A8's Triton GEMM (kernels/linear_w8a8_triton.py) on rows already in e4m3: fp32 sums
+    of the dequantized operands, over row counts, ragged columns and K splits."""
+    from graphexec.kernels.linear_fp8_rows import _dequantized_mm, quantize_rows
+    from graphexec.kernels.linear_w8a8_triton import matmul_rows
+
+    dtype = torch.bfloat16
+    x = _randn((m, k), dtype, 31, 3.0)
+    qw = quantize_fp8(_randn((n, k), torch.float32, 32, k ** -0.5))
+    b = _randn((n,), dtype, 33) if bias else None
+    q, s = quantize_rows(x)
+    out = matmul_rows(q, s, qw, b, dtype, split=split)
+    want = _dequantized_mm(q, s, qw, b, torch.float32)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # the fp8 tensor cores keep about 14 bits of the running sum: bounded by the output scale
+    err = (out.float() - want).abs()
+    assert err.max().item() <= 0.02 * want.abs().max().item()
+    assert err.mean().item() <= 0.005 * want.abs().mean().item()
+
+
 @pytest.mark.parametrize("m", [1, 37])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_rows_on_scaled_mm_match_their_reference(m, bias):

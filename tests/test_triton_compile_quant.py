@@ -45,6 +45,27 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
             consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
             assert fast > 0, (name, sorted(consts.items()))
             assert not consts["UPCAST"]
+            if name == "_w4a16_kernel":  # nibbles become floats by their bits, not by a
+                # conversion (quarter rate) each; the norm's 1 / K converts once
+                ints_to_floats = re.findall(r"cvt\.rn\.(?:f32|f16|bf16)\.[su]32", ptx)
+                assert len(ints_to_floats) <= 1, (ints_to_floats, consts)
+
+
+def test_w8a8_compiles_to_fp8_tensor_cores(compiled, monkeypatch):
+    """W8A8's GEMM at decode batches (kernels/linear_w8a8_triton.py) runs on the tensor
+    cores, split or not, with a bias: 64-row tiles multiply e4m3 by e4m3 (wgmma); smaller
+    ones take Ampere's mma, which has no fp8 on sm_90, on the exact fp16 values."""
+    from graphexec.kernels import linear_w8a8_triton as w8
+    from graphexec.kernels.linear_fp8_rows import quantize_rows
+    from graphexec.kernels.quant import quantize_fp8
+
+    monkeypatch.setattr(w8, "_runs_here", lambda q: True)
+    for m, n, k in ((17, 6144, 4096), (64, 28672, 4096)):
+        q, s = quantize_rows(_bf16(m, k))
+        w8.matmul_rows(q, s, quantize_fp8(torch.randn(n, k)), _bf16(n), torch.bfloat16)
+    small, large = [kernel.asm["ptx"] for name, kernel in compiled if name == "_w8a8_kernel"]
+    assert re.search(r"mma\.sync\.aligned\.\S*\.f32\.f16\.f16\.f32", small)
+    assert re.search(r"wgmma\.\S*e4m3\.e4m3", large), "no fp8 wgmma at 64 rows"
 
 
 def test_kv_kernels_compile_for_an_fp8_cache(compiled):
