@@ -90,20 +90,11 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, dtype: tl.constexpr, GROUP: tl.constexpr,
-             HAS_ZERO: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """(the weight tile [BLOCK_N, BLOCK_K], the tile's group scale [BLOCK_N], the offset
-    [BLOCK_N] the tile's values carry). The words [BLOCK_N, BLOCK_K / 8] come in one vector
-    load, each spread to its eight nibbles u (value j at bits 4j, k = word * 8 + j).
-
-    A nibble becomes a float without an int-to-float conversion (a quarter-rate instruction
-    that bound this kernel): OR-ed into the mantissa of a power of two M whose mantissa step
-    is 1, its bits read as the float M + u. One row (CUDA cores) takes fp32's M = 2^23 and
-    subtracts M + zero + 8 per element, so the tile is the exact code q - zero (offset 0).
-    Tensor-core tiles take M = 128 (bf16) or 1024 (fp16) in the activation dtype as they are
-    and return M + zero + 8 as the offset: the caller subtracts offset * sum(x) from the
-    tile's dot."""
+def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
+    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load, each spread to its eight
+    values (value j at bits 4j): k = word * 8 + j, the order of the reshape."""
     wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
                            BLOCK_K // 8)
     words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
@@ -112,56 +103,42 @@ def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, dtype: tl.constexpr, GROUP:
     u = tl.reshape(u, [BLOCK_N, BLOCK_K])
     g = k0 // GROUP
     scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
-    offset = tl.full([BLOCK_N], 8.0, tl.float32)
     if HAS_ZERO:
-        offset += tl.load(z_rows + g, mask=n_ok, other=0).to(tl.float32)
-    if DOT:
-        if dtype == tl.float16:
-            w = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            offset += 1024.0
-        else:
-            w = (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            offset += 128.0
+        offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
     else:
-        w = (u | 0x4B000000).to(tl.float32, bitcast=True) - (offset + 8388608.0)[:, None]
-        offset = tl.zeros([BLOCK_N], tl.float32)
-    return w, scale, offset
+        offset = tl.full([BLOCK_N], 8, tl.int32)
+    return (u - offset[:, None]).to(tl.float32), scale
 
 
 @triton.jit
-def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """acc plus x [BLOCK_M, BLOCK_K] times the fp8 w [BLOCK_N, BLOCK_K] transposed.
-    Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds the
-    [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
+def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
+                SCALED: tl.constexpr):
+    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
+    output column when SCALED. Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums;
+    one row (BLOCK_M 1) adds the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if SCALED:
+            p = p * scale[None, :]
     else:
-        p = w.to(tl.float32) * x.to(tl.float32)
+        xs = x.to(tl.float32)
+        if SCALED:
+            xs = xs * scale[:, None]
+        p = w.to(tl.float32) * xs
     return acc + p
 
 
 @triton.jit
-def _w4_step(acc, w, scale, offset, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd,
-             dtype: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-             GATED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """One K block of int4 (_w4_tile): a tensor-core tile's dot less offset * sum(x) per row
-    and column, then the group scale."""
+def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
+          NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
+          UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K block: the input tile through the prologue, times the weight tile w."""
     x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
                 BLOCK_K)
-    if DOT:
-        if UPCAST:
-            p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        else:
-            p = tl.dot(x, tl.trans(w))
-        x_sum = tl.sum(x.to(tl.float32), axis=1)
-        acc += (p - x_sum[:, None] * offset[None, :]) * scale[None, :]
-    else:
-        acc += w * (x.to(tl.float32) * scale[:, None])
-    return acc
+    return _accumulate(acc, x, w, scale, DOT, UPCAST, SCALED)
 
 
 @triton.jit
@@ -177,12 +154,11 @@ def _w8_step(acc, ss, w, x_rows, r_rows, nw_ptr, sum_rows, K, k0, k_hi, m_ok, rs
         ks = k0 + tl.arange(0, BLOCK_K)
         x, part = tiles._unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, ks < k_hi,
                                             m_ok, writes_sum, dtype, HAS_RES)
-        acc = _accumulate(acc, x, w, DOT, UPCAST)
+        acc = _accumulate(acc, x, w, w, DOT, UPCAST, False)
         ss += part
     else:
-        x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, BLOCK_K)
-        acc = _accumulate(acc, x, w, DOT, UPCAST)
+        acc = _step(acc, w, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM,
+                    HAS_RES, GATED, DOT, UPCAST, False, BLOCK_K)
     return acc, ss
 
 
@@ -260,7 +236,8 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
     if ONE_PASS:
         acc = acc * (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    tiles.store_tile(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+    tiles.store_tile(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N,
+                     HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -286,21 +263,21 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        w0, scale0, offset0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, dtype, GROUP,
-                                       HAS_ZERO, DOT, BLOCK_N, BLOCK_K)
+        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
+                                  BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
     prologue = (x_rows, r_rows, nw_ptr, K)
     if PDL:
-        acc = _w4_step(acc, w0, scale0, offset0, *prologue, k_lo, k_hi, m_ok, rstd, dtype,
-                       NORM, HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
+        acc = _step(acc, codes0, scale0, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM,
+                    HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        w, scale, offset = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, dtype, GROUP,
-                                    HAS_ZERO, DOT, BLOCK_N, BLOCK_K)
-        acc = _w4_step(acc, w, scale, offset, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM,
-                       HAS_RES, GATED, DOT, UPCAST, BLOCK_K)
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+                                BLOCK_N, BLOCK_K)
+        acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, DOT, UPCAST, True, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     tiles.store_tile(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)

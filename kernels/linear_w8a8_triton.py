@@ -76,17 +76,18 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
     if m > t.w8a8_triton_max_rows or not _runs_here(q):
         return scaled_mm(q, scale, weight, bias, out_dtype)
     bk = t.w8a8_block_k
-    split = split or _split_k(triton.cdiv(n, t.w8a8_block_n), t.w8a8_programs, k, bk)
+    bn = t.w8a8_block_n_few_rows if m <= t.w8a8_few_rows_max else t.w8a8_block_n
+    split = split or _split_k(triton.cdiv(n, bn), t.w8a8_programs, k, bk)
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=out_dtype, device=q.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out
     dependent = pdl.enabled(q)
     b = bias if bias is not None else out
-    _w8a8_kernel[(triton.cdiv(n, t.w8a8_block_n), split)](
+    _w8a8_kernel[(triton.cdiv(n, bn), split)](
         q, scale, weight.data, weight.scale, b, out, part, m, n, k, k_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=t.w8a8_block_n, BLOCK_K=bk, STAGES=t.w8a8_stages, UPCAST=_INTERPRET,
+        BLOCK_N=bn, BLOCK_K=bk, STAGES=t.w8a8_stages, UPCAST=_INTERPRET,
         PDL=dependent, num_warps=t.w8a8_warps, num_stages=t.w8a8_stages, launch_pdl=dependent)
     if split > 1:
         sum_splits(part, out, bias, t.split_sum_block)
