@@ -42,13 +42,13 @@ def sample_rows(model: LlamaModel, state: DecodeState, rows: torch.Tensor | slic
     if live is not None:
         slots = state.penalty_slots[rows]
         ops.apply_logit_bias(masked, slots, pen.bias_ids, pen.bias_vals)
-        ops.apply_penalties(masked, slots, pen.counts, pen.prompt_mask, pen.presence,
-                            pen.frequency, pen.repetition)
+        ops.apply_penalties(masked, slots, pen.counts, pen.flags, pen.seen_ids, pen.num_seen,
+                            pen.presence, pen.frequency, pen.repetition)
         ops.apply_min_p(masked, slots, temperature, pen.log_min_p)
     tokens = ops.sample(masked, temperature, state.top_k[rows], state.top_p[rows],
                         state.seeds[rows], steps)
     if live is not None:
-        ops.count_tokens(pen.counts, slots, tokens, live)
+        ops.count_tokens(pen.counts, pen.flags, pen.seen_ids, pen.num_seen, slots, tokens, live)
     if not with_logprobs:
         return SampleOut(tokens)
     chosen, top_vals, top_ids = ops.logprobs(logits, tokens, state.out_top_ids.shape[-1])

@@ -5,9 +5,10 @@ DecodeState holds the slot's number (`DecodeState.penalty_slots`, 0 for none), s
 moves one int per row and never the [S, V] buffers. A slot is filled from the host when its row
 joins the batch (`pack_init` / `apply_init`, beside the step's delta): the prompt's tokens as
 presence, the counts of the tokens generated so far (a resumed or recomputed request has some),
-the bias pairs and the penalties. From then on the steps count each token they sample into it
-on the device (kernels/penalties.py, count_tokens), so under async scheduling the counts are
-never behind the host's view, nor waiting on it.
+the list of the distinct tokens among both, the bias pairs and the penalties. From then on the
+steps count each token they sample into it on the device (kernels/penalties.py, count_tokens),
+listing the new ones, so under async scheduling the counts are never behind the host's view,
+nor waiting on it.
 
 A slot freed when its row leaves may be handed to a row joining in the same delta: the steps
 launched before still write the old counts, but they run before the new slot's fill on the one
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.penalties import IN_PROMPT, LISTED
 from ..plan import RowPenalties, StepDelta
 from ..sampling_params import MAX_LOGIT_BIAS
 
@@ -33,15 +35,25 @@ class PenaltyInit:
     ints: list[int]
     floats: list[float]
     num_slots: int
-    num_prompt: int  # (slot, token) pairs of prompt presence
+    num_listed: int  # (slot, position, token, flags) entries of the slots' lists
     num_output: int  # (slot, token) pairs of generated tokens, one per token
 
 
 class PenaltyState:
+    """Per slot: counts int32 [S, V] of the generated tokens; flags uint8 [S, V] (IN_PROMPT,
+    LISTED: kernels/penalties.py); seen_ids int32 [S, V], whose first num_seen[slot] entries
+    list the distinct tokens of the prompt and the output, the only ones the penalties kernel
+    visits. The list has V entries, not prompt + max_tokens: a token is listed once, ever
+    (LISTED stays set when a speculative step takes its count back to 0), so a slot lists at
+    most V tokens and can never overflow, whatever the lengths. In all 9 bytes per slot and
+    vocabulary entry."""
+
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
         s = max_rows + 1  # slot 0 is nobody's: its rows are left as they are
         self.counts = torch.zeros(s, vocab_size, device=device, dtype=torch.int32)
-        self.prompt_mask = torch.zeros(s, vocab_size, device=device, dtype=torch.bool)
+        self.flags = torch.zeros(s, vocab_size, device=device, dtype=torch.uint8)
+        self.seen_ids = torch.zeros(s, vocab_size, device=device, dtype=torch.int32)
+        self.num_seen = torch.zeros(s, device=device, dtype=torch.int32)
         self.bias_ids = torch.full((s, MAX_LOGIT_BIAS), -1, device=device, dtype=torch.int32)
         self.bias_vals = torch.zeros(s, MAX_LOGIT_BIAS, device=device, dtype=torch.float32)
         self._floats = torch.zeros(_FLOATS, s, device=device, dtype=torch.float32)
@@ -71,19 +83,32 @@ class PenaltyState:
 
     def apply_init(self, init: PenaltyInit, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Fills the slots of `init` from its packed lists, already on the device."""
-        n, p, o, w = init.num_slots, init.num_prompt, init.num_output, MAX_LOGIT_BIAS
+        n, m, o, w = init.num_slots, init.num_listed, init.num_output, MAX_LOGIT_BIAS
         slots = ints[:n]
         at = n
         self.bias_ids[slots] = ints[at:at + n * w].view(n, w).to(torch.int32)
         at += n * w
+        self.num_seen[slots] = ints[at:at + n].to(torch.int32)
+        at += n
         self.counts[slots] = 0
-        self.prompt_mask[slots] = False
-        self.prompt_mask[ints[at:at + p], ints[at + p:at + 2 * p]] = True
-        at += 2 * p
+        self.flags[slots] = 0
+        # entries past num_seen keep the slot's last owner's tokens: nothing reads them
+        ls, pos, tok, bits = ints[at:at + 4 * m].view(4, m)
+        self.seen_ids[ls, pos] = tok.to(torch.int32)
+        self.flags[ls, tok] = bits.to(torch.uint8)
+        at += 4 * m
         ones = torch.ones(o, device=ints.device, dtype=torch.int32)
         self.counts.index_put_((ints[at:at + o], ints[at + o:at + 2 * o]), ones, accumulate=True)
         self._floats[:, slots] = floats[:_FLOATS * n].view(_FLOATS, n)
         self.bias_vals[slots] = floats[_FLOATS * n:].view(n, w)
+
+
+def _seen(pen: RowPenalties) -> list[tuple[int, int]]:
+    """A slot's first list of seen tokens, with their flags: the prompt's distinct tokens, then
+    the generated ones outside the prompt, as count_tokens would have listed them."""
+    prompt = set(pen.prompt)
+    out = [t for t in dict.fromkeys(pen.output) if t not in prompt]
+    return [(t, IN_PROMPT | LISTED) for t in sorted(prompt)] + [(t, LISTED) for t in out]
 
 
 def pack_init(delta: StepDelta, slots: list[int]) -> PenaltyInit | None:
@@ -98,12 +123,14 @@ def pack_init(delta: StepDelta, slots: list[int]) -> PenaltyInit | None:
         pad = MAX_LOGIT_BIAS - len(ids)
         ints += ids + [-1] * pad
         vals += list(pen.logit_bias.values()) + [0.0] * pad
-    prompt = [(s, sorted(set(pen.prompt))) for s, pen in rows]
-    for part in (prompt, [(s, list(pen.output)) for s, pen in rows]):
-        ints += [s for s, toks in part for _ in toks]
-        ints += [t for _, toks in part for t in toks]
+    seen = [_seen(pen) for _, pen in rows]
+    ints += [len(x) for x in seen]
+    listed = [(s, j, t, f) for (s, _), x in zip(rows, seen) for j, (t, f) in enumerate(x)]
+    for k in range(4):  # slots, positions, tokens, flags
+        ints += [e[k] for e in listed]
+    output = [(s, t) for s, pen in rows for t in pen.output]
+    ints += [s for s, _ in output] + [t for _, t in output]
     floats = [pen.presence for _, pen in rows] + [pen.frequency for _, pen in rows]
     floats += [pen.repetition for _, pen in rows]
     floats += [math.log(pen.min_p) if pen.min_p > 0 else -math.inf for _, pen in rows]
-    return PenaltyInit(ints, floats + vals, len(rows),
-                       sum(len(t) for _, t in prompt), sum(len(pen.output) for _, pen in rows))
+    return PenaltyInit(ints, floats + vals, len(rows), len(listed), len(output))

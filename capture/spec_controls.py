@@ -50,30 +50,33 @@ def apply_controls(model: LlamaModel, state: DecodeState, logits: torch.Tensor,
     ops.apply_logit_bias(flat, per_position, pen.bias_ids, pen.bias_vals)
     for j in range(k1):
         if j:  # position j follows draft j - 1
-            ops.count_tokens(pen.counts, slots, drafts[j - 1], live)
-        ops.apply_penalties(logits[:, j], slots, pen.counts, pen.prompt_mask, pen.presence,
-                            pen.frequency, pen.repetition)
+            ops.count_tokens(pen.counts, pen.flags, pen.seen_ids, pen.num_seen, slots,
+                             drafts[j - 1], live)
+        ops.apply_penalties(logits[:, j], slots, pen.counts, pen.flags, pen.seen_ids,
+                            pen.num_seen, pen.presence, pen.frequency, pen.repetition)
     ops.apply_min_p(flat, per_position, temperature, pen.log_min_p)
     return no_drafts
 
 
-def recount(state: DecodeState, drafts: torch.Tensor, tokens: torch.Tensor,
+def recount(model: LlamaModel, state: DecodeState, drafts: torch.Tensor, tokens: torch.Tensor,
             count: torch.Tensor, live: torch.Tensor) -> None:
     """After apply_controls counted every draft: leaves the slots counting what the step
     emits, tokens[:, :count] (the accepted drafts, then one more), for live rows. drafts
-    [B, K], tokens [B, K + 1], count [B] in 1..K + 1. One scatter: -1 for each draft from
-    index count - 1 on (not emitted), +1 for the last emitted token."""
+    [B, K], tokens [B, K + 1], count [B] in 1..K + 1. One scatter of -1 for each draft from
+    index count - 1 on (not emitted), then the last emitted token is counted as a plain step
+    counts its token, which lists it if it is new. A draft taken back stays listed, with the
+    count it is left with (maybe 0: the penalties then leave it as they leave unseen ones)."""
     pen = state.penalties
     b, k = drafts.shape
     slots = state.penalty_slots[:b]
-    last = tokens.gather(1, (count - 1)[:, None])
-    ids = torch.cat([drafts, last], dim=1)
-    j = torch.arange(k + 1, device=drafts.device)[None, :]
-    add = torch.where(j == k, 1, -(j >= (count - 1)[:, None]).long())
-    add = add * (live & (slots > 0)).long()[:, None]
+    j = torch.arange(k, device=drafts.device)[None, :]
+    add = -(j >= (count - 1)[:, None]).long() * (live & (slots > 0)).long()[:, None]
     vocab = pen.counts.shape[1]
-    pen.counts.view(-1).scatter_add_(0, (slots[:, None] * vocab + ids).reshape(-1),
+    pen.counts.view(-1).scatter_add_(0, (slots[:, None] * vocab + drafts).reshape(-1),
                                      add.reshape(-1).to(pen.counts.dtype))
+    last = tokens.gather(1, (count - 1)[:, None])[:, 0]
+    model.ops.count_tokens(pen.counts, pen.flags, pen.seen_ids, pen.num_seen, slots, last,
+                           live)
 
 
 class Hold:

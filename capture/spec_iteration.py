@@ -148,7 +148,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
     else:
         tokens, count = target.ops.argmax(logits).view(bucket, k + 1), None
     if variant.penalties:
-        recount(state, draft_tokens, tokens, count, live)
+        recount(target, state, draft_tokens, tokens, count, live)
     # 4. the step's output; live rows advance by the emitted count, and the last emitted
     # token is the next input
     target.ops.spec_advance(tokens, count, draft_tokens, state.input_ids[rows],

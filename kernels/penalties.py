@@ -2,8 +2,13 @@
 
 Each row that uses any of them holds a penalty slot (capture/penalties.py); slot 0 is nobody's
 and every op leaves its rows as they are. Per slot: the counts of the tokens generated so far
-(int32 [S, V]), which tokens the prompt holds (bool [S, V]), up to 300 (token id, bias) pairs
-(-1 pads), and the presence, frequency and repetition penalties and log(min_p).
+(int32 [S, V]), a byte of flags per token (uint8 [S, V]: IN_PROMPT, LISTED), the list of the
+distinct tokens the slot has seen, prompt and generated (int32 [S, V], the first num_seen[slot]
+entries), up to 300 (token id, bias) pairs (-1 pads), and the presence, frequency and repetition
+penalties and log(min_p). Only listed tokens can be penalised, so the Triton kernel visits the
+list instead of the vocabulary; apply_penalties_ref reads the dense counts and flags alone and
+is its oracle. A token stays listed when a speculative step takes its count back to 0: with
+count 0 and outside the prompt it is left as it is, as an unlisted one.
 
 The order is vLLM's: logit bias, then the repetition penalty (over prompt and generated tokens,
 as transformers: a positive logit divided by it, a negative one multiplied), then OpenAI's
@@ -15,6 +20,9 @@ kernel read them as they read plain logits; logprobs stay those of the raw distr
 from __future__ import annotations
 
 import torch
+
+IN_PROMPT = 1  # flags: the token is in the prompt
+LISTED = 2  # flags: the token is in the slot's list of seen tokens
 
 
 def apply_logit_bias_ref(logits: torch.Tensor, slots: torch.Tensor, bias_ids: torch.Tensor,
@@ -31,18 +39,22 @@ def apply_logit_bias_ref(logits: torch.Tensor, slots: torch.Tensor, bias_ids: to
 
 
 def apply_penalties_ref(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                        prompt_mask: torch.Tensor, presence: torch.Tensor,
-                        frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+                        flags: torch.Tensor, seen_ids: torch.Tensor, num_seen: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor,
+                        repetition: torch.Tensor) -> torch.Tensor:
     """The repetition, frequency and presence penalties, in place on logits [B, V] for rows
-    whose slot is > 0. counts [S, V] int32, prompt_mask [S, V] bool; the penalties [S] fp32."""
+    whose slot is > 0. counts [S, V] int32, flags [S, V] uint8; the penalties [S] fp32.
+    A dense pass: seen_ids and num_seen (the list the Triton kernel visits) are not read."""
     on = (slots > 0)[:, None]
     x = logits.float()
     cnt = counts[slots].float()
-    seen = prompt_mask[slots] | (cnt > 0)
+    seen = ((flags[slots] & IN_PROMPT) != 0) | (cnt > 0)
     rep = repetition[slots][:, None]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - frequency[slots][:, None] * cnt
-    x = x - presence[slots][:, None] * (cnt > 0).float()
+    # frequency and presence only where counted: elsewhere x - 0 * frequency could turn a -0.0
+    # into 0.0, which the kernel, visiting listed tokens only, never does
+    f = frequency[slots][:, None] * cnt
+    x = torch.where(cnt > 0, x - f - presence[slots][:, None], x)
     logits.copy_(torch.where(on, x.to(logits.dtype), logits))
     return logits
 
@@ -60,9 +72,21 @@ def apply_min_p_ref(logits: torch.Tensor, slots: torch.Tensor, temperature: torc
     return logits.masked_fill_(on & (scaled < floor), float("-inf"))
 
 
-def count_tokens_ref(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+def count_tokens_ref(counts: torch.Tensor, flags: torch.Tensor, seen_ids: torch.Tensor,
+                     num_seen: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
                      live: torch.Tensor) -> None:
     """counts[slot, token] += 1 for each row whose slot is > 0 and that is live (a bool [B]:
-    the rows that really sampled this step). No two rows share a slot above 0."""
-    add = (live & (slots > 0)).to(counts.dtype)
-    counts.index_put_((slots, tokens.long()), add, accumulate=True)
+    the rows that really sampled this step), and a token not listed yet is appended to the
+    slot's list (seen_ids, num_seen) and flagged LISTED. No two rows share a slot above 0, so
+    each slot takes at most one token a call. No host sync: it runs in captured steps."""
+    on = live & (slots > 0)
+    tok = tokens.long()
+    counts.index_put_((slots, tok), on.to(counts.dtype), accumulate=True)
+    old = flags[slots, tok]
+    new = on & ((old & LISTED) == 0)
+    # rows that append nothing write back what is there (a full list's end is clamped to the
+    # last entry: a slot that has listed every token appends nothing)
+    end = num_seen[slots].long().clamp(max=seen_ids.shape[1] - 1)
+    seen_ids[slots, end] = torch.where(new, tok, seen_ids[slots, end]).to(seen_ids.dtype)
+    flags[slots, tok] = torch.where(new, old | LISTED, old)
+    num_seen.index_put_((slots,), new.to(num_seen.dtype), accumulate=True)

@@ -2,10 +2,12 @@
 one launch each, whose programs for rows without a penalty slot (slot 0) return at once. Only
 steps whose batch holds a penalised row run them (the `penalties` variant, graphexec/plan.py).
 
-Penalties take one program per (row, block of the vocabulary): a row's logits, counts and
-prompt mask are read once and its logits written once. The logit bias takes one program per
-row over its <= 300 pairs. min_p takes one program per row, two passes over it (its maximum
-after temperature, then the mask)."""
+Penalties take one program per row, over its slot's list of seen tokens (prompt and generated,
+each listed once): it gathers their logits, counts and prompt flags, and scatters the penalised
+logits back, so a step costs what the rows have seen, not the vocabulary. The token counts take
+one program per row, which also appends a token seen for the first time to its slot's list. The
+logit bias takes one program per row over its <= 300 pairs. min_p takes one program per row,
+two passes over it (its maximum after temperature, then the mask)."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .penalties import IN_PROMPT, LISTED
 from .tuning import DEFAULT, SamplingTuning
 
 
@@ -46,53 +49,52 @@ def apply_logit_bias(logits: torch.Tensor, slots: torch.Tensor, bias_ids: torch.
 
 
 @triton.jit
-def _penalty_kernel(logits_ptr, stride_b, slots_ptr, counts_ptr, prompt_ptr, stride_c,
-                    presence_ptr, frequency_ptr, repetition_ptr, V,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _penalty_kernel(logits_ptr, stride_b, slots_ptr, counts_ptr, flags_ptr, seen_ptr, stride_s,
+                    num_seen_ptr, presence_ptr, frequency_ptr, repetition_ptr,
+                    IN_PROMPT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
     if slot > 0:
         rep = tl.load(repetition_ptr + slot)
         freq = tl.load(frequency_ptr + slot)
         pres = tl.load(presence_ptr + slot)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inb = offs < V
-        ptr = logits_ptr + b * stride_b + offs
-        x = tl.load(ptr, mask=inb, other=0.0).to(tl.float32)
-        cnt = tl.load(counts_ptr + slot * stride_c + offs, mask=inb, other=0).to(tl.float32)
-        seen = (tl.load(prompt_ptr + slot * stride_c + offs, mask=inb, other=0) != 0) | (cnt > 0)
-        x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, tl.zeros_like(x) + rep), x * rep), x)
-        f = freq * cnt
-        x = x - f
-        p = pres * (cnt > 0).to(tl.float32)
-        x = x - p
-        tl.store(ptr, x.to(logits_ptr.dtype.element_ty), mask=inb)
-
-
-def row_blocks(logits: torch.Tensor, tuning: SamplingTuning) -> dict | None:
-    """The launch of a kernel over (row, block of the vocabulary) programs: its grid and launch
-    options; None for no rows."""
-    b, v = logits.shape
-    if b == 0:
-        return None
-    dependent = pdl.enabled(logits)
-    return dict(grid=(b, triton.cdiv(v, tuning.penalty_block)), BLOCK=tuning.penalty_block,
-                PDL=dependent, num_warps=tuning.penalty_warps, launch_pdl=dependent)
+        n = tl.load(num_seen_ptr + slot)
+        row = logits_ptr + b * stride_b
+        at = slot * stride_s  # the slot's row of counts, flags and list
+        for off in range(0, n, BLOCK):
+            j = off + tl.arange(0, BLOCK)
+            on = j < n
+            # distinct tokens: no two lanes write one logit
+            tok = tl.load(seen_ptr + at + j, mask=on, other=0).to(tl.int64)
+            x = tl.load(row + tok, mask=on, other=0.0).to(tl.float32)
+            cnt = tl.load(counts_ptr + at + tok, mask=on, other=0).to(tl.float32)
+            prompt = (tl.load(flags_ptr + at + tok, mask=on, other=0) & IN_PROMPT) != 0
+            x = tl.where(prompt | (cnt > 0),
+                         tl.where(x > 0, tl.math.div_rn(x, tl.zeros_like(x) + rep), x * rep), x)
+            # frequency and presence only where counted, as the reference: a listed token back
+            # at count 0 (a rejected draft) is not charged
+            x = tl.where(cnt > 0, x - freq * cnt - pres, x)
+            tl.store(row + tok, x.to(logits_ptr.dtype.element_ty), mask=on)
 
 
 def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                    prompt_mask: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-                    repetition: torch.Tensor, *,
-                    tuning: SamplingTuning = DEFAULT.sampling) -> torch.Tensor:
-    launch = row_blocks(logits, tuning)
-    if launch is None:
+                    flags: torch.Tensor, seen_ids: torch.Tensor, num_seen: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor,
+                    *, tuning: SamplingTuning = DEFAULT.sampling) -> torch.Tensor:
+    b = logits.shape[0]
+    if b == 0:
         return logits
-    grid = launch.pop("grid")
-    # the mask is read as bytes: a bool tensor viewed as uint8 (same storage)
-    _penalty_kernel[grid](logits, logits.stride(0), slots, counts, prompt_mask.view(torch.uint8),
-                          counts.stride(0), presence, frequency, repetition, logits.shape[1],
-                          **launch)
+    # the kernel takes one row stride for the three [S, V] tensors
+    assert counts.stride(0) == flags.stride(0) == seen_ids.stride(0)
+    dependent = pdl.enabled(logits)
+    # enable_fp_fusion=False: count * frequency is rounded before it is subtracted, as torch
+    # does, so the logits equal the reference's bit for bit (no fused multiply-add)
+    _penalty_kernel[(b,)](logits, logits.stride(0), slots, counts, flags, seen_ids,
+                          counts.stride(0), num_seen, presence, frequency, repetition,
+                          IN_PROMPT=IN_PROMPT, BLOCK=tuning.penalty_list_block, PDL=dependent,
+                          num_warps=tuning.penalty_warps, launch_pdl=dependent,
+                          enable_fp_fusion=False)
     return logits
 
 
@@ -135,20 +137,32 @@ def apply_min_p(logits: torch.Tensor, slots: torch.Tensor, temperature: torch.Te
 
 
 @triton.jit
-def _count_kernel(counts_ptr, stride_c, slots_ptr, tokens_ptr, live_ptr, PDL: tl.constexpr):
+def _count_kernel(counts_ptr, flags_ptr, seen_ptr, stride_s, num_seen_ptr, slots_ptr, tokens_ptr,
+                  live_ptr, LISTED: tl.constexpr, PDL: tl.constexpr):
     pdl.prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
     if (slot > 0) & (tl.load(live_ptr + b) != 0):
-        ptr = counts_ptr + slot * stride_c + tl.load(tokens_ptr + b)
-        tl.store(ptr, tl.load(ptr) + 1)
+        tok = tl.load(tokens_ptr + b)
+        at = slot * stride_s + tok
+        tl.store(counts_ptr + at, tl.load(counts_ptr + at) + 1)
+        # one program per slot: nothing else appends to this list meanwhile
+        f = tl.load(flags_ptr + at)
+        if (f & LISTED) == 0:
+            n = tl.load(num_seen_ptr + slot)
+            tl.store(seen_ptr + slot * stride_s + n, tok.to(seen_ptr.dtype.element_ty))
+            tl.store(num_seen_ptr + slot, n + 1)
+            tl.store(flags_ptr + at, f | LISTED)
 
 
-def count_tokens(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+def count_tokens(counts: torch.Tensor, flags: torch.Tensor, seen_ids: torch.Tensor,
+                 num_seen: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
                  live: torch.Tensor) -> None:
     b = slots.shape[0]
     if b == 0:
         return
+    assert counts.stride(0) == flags.stride(0) == seen_ids.stride(0)
     dependent = pdl.enabled(counts)
-    _count_kernel[(b,)](counts, counts.stride(0), slots, tokens, live.view(torch.uint8),
-                        PDL=dependent, num_warps=1, launch_pdl=dependent)
+    _count_kernel[(b,)](counts, flags, seen_ids, counts.stride(0), num_seen, slots, tokens,
+                        live.view(torch.uint8), LISTED=LISTED, PDL=dependent, num_warps=1,
+                        launch_pdl=dependent)

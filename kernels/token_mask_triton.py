@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .penalties_triton import row_blocks
 from .tuning import DEFAULT, SamplingTuning
 
 
@@ -28,11 +27,13 @@ def _token_mask_kernel(logits_ptr, stride_b, mask_ptr, stride_m, on_ptr, stride_
 
 def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor, on: torch.Tensor, *,
                      tuning: SamplingTuning = DEFAULT.sampling) -> torch.Tensor:
-    launch = row_blocks(logits, tuning)
-    if launch is None:
+    b, v = logits.shape
+    if b == 0:
         return logits
-    grid = launch.pop("grid")
     on = on.view(torch.uint8) if on.dtype == torch.bool else on
-    _token_mask_kernel[grid](logits, logits.stride(0), mask, mask.stride(0), on, on.stride(0),
-                             logits.shape[1], **launch)
+    dependent = pdl.enabled(logits)
+    block = tuning.penalty_block
+    _token_mask_kernel[(b, triton.cdiv(v, block))](
+        logits, logits.stride(0), mask, mask.stride(0), on, on.stride(0), v, BLOCK=block,
+        PDL=dependent, num_warps=tuning.penalty_warps, launch_pdl=dependent)
     return logits

@@ -248,10 +248,12 @@ class SamplingTuning:
     fb_radix_bits: int = 2  # bits of the threshold the fallback settles per pass over the row
     chunk_warps: int = 4
     select_warps: int = 16  # kernel 2: more warps hide the fallback passes' latency
-    # Penalties and min_p (kernels/penalties_triton.py): vocabulary entries a program (a pass
-    # of min_p's) takes, and its warps.
+    # min_p (kernels/penalties_triton.py) and grammar masks (kernels/token_mask_triton.py):
+    # vocabulary entries a program (a pass of min_p's) takes, and its warps, the penalties'
+    # too; penalty_list_block: entries of a slot's list of seen tokens a penalties pass takes.
     penalty_block: int = 2048
     penalty_warps: int = 4
+    penalty_list_block: int = 512
     # Grammar masks copied from pinned memory once the host releases them
     # (kernels/mask_gate_triton.py): int64 words of a row a program copies at a time.
     mask_copy_block: int = 2048

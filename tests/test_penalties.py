@@ -8,8 +8,12 @@ import random
 import pytest
 import torch
 
-from graphexec import LLM, Engine, SamplingParams
+from graphexec import LLM, Engine, SamplingParams, SpeculativeConfig
+from graphexec.capture.penalties import PenaltyState, pack_init
+from graphexec.kernels.penalties import IN_PROMPT, LISTED
+from graphexec.plan import NewRow, RowPenalties, StepDelta
 from test_engine import _prompts, _same, run_engine
+from test_kernels_penalties import check_seen_lists
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [11, 12], [300, 4, 4, 8, 19, 23, 60, 61, 62, 1, 9, 100, 150]]
 N = 24
@@ -155,6 +159,67 @@ def test_pause_and_eviction_keep_penalised_tokens():
         _same(ample, run_engine(tight, reqs))
         stats = tight.scheduler.stats
         assert stats.evictions > 0 and stats.pauses > 0
+
+
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("self:1", 3)])
+def test_seen_lists_hold_each_seen_token_once(speculative):
+    """The lists of seen tokens the penalties kernel visits, after every step of a run whose
+    rows are paused and evicted (their slots filled again from the host, generated tokens
+    included) and, speculating, whose rejected drafts are taken back out: every token of a
+    slot's prompt and every one it counts, each once."""
+    rng = random.Random(6)
+    reqs = [(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True, seed=i,
+                                        temperature=0 if i % 2 else 0.8,
+                                        **_penalised(i % 4, rng)))
+            for i, p in enumerate(_prompts(8, seed=9, hi=30))]
+    engine = Engine("tiny", max_batch=8, num_kv_blocks=30, block_size=4,
+                    speculative=speculative)
+    pen = engine.runner.state.penalties
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+        check_seen_lists(pen.counts, pen.flags, pen.seen_ids, pen.num_seen)
+    assert engine.scheduler.stats.evictions + engine.scheduler.stats.pauses > 0
+    assert pen.num_seen.sum() > 0
+    if speculative is not None:  # drafts taken back: listed, outside the prompt, count 0
+        assert ((pen.flags == LISTED) & (pen.counts == 0)).any()
+
+
+def _joining(row: int, prompt: list[int], output: list[int]) -> NewRow:
+    return NewRow(row, temperature=1.0, top_k=-1, top_p=1.0, seed=0, min_tokens=0, stop_ids=[],
+                  penalties=RowPenalties(0.5, 0.5, 1.2, 0.0, {3: 1.0}, prompt, output))
+
+
+def _fill(pen: PenaltyState, delta: StepDelta) -> list[int]:
+    slots = pen.assign(delta)
+    init = pack_init(delta, slots)
+    pen.apply_init(init, torch.tensor(init.ints), torch.tensor(init.floats))
+    return slots
+
+
+def _listed(pen: PenaltyState, slot: int) -> list[int]:
+    return pen.seen_ids[slot, :pen.num_seen[slot]].tolist()
+
+
+def test_slot_fill_lists_prompt_and_output_once():
+    """A joining row's slot: counts of its generated tokens, the prompt flagged, and one list
+    entry for each distinct token of both; a slot handed on is filled afresh."""
+    pen = PenaltyState(max_rows=3, vocab_size=40, device=torch.device("cpu"))
+    a, b = _fill(pen, StepDelta(2, new_rows=[_joining(0, [5, 5, 7, 9], [7, 11, 11, 2]),
+                                             _joining(1, [1], [])]))
+    assert sorted(_listed(pen, a)) == [2, 5, 7, 9, 11] and _listed(pen, b) == [1]
+    assert (pen.flags[a] & IN_PROMPT).nonzero().flatten().tolist() == [5, 7, 9]
+    assert (pen.flags[a] & LISTED).nonzero().flatten().tolist() == [2, 5, 7, 9, 11]
+    assert {t: int(pen.counts[a, t]) for t in pen.counts[a].nonzero().flatten().tolist()} == \
+        {2: 1, 7: 1, 11: 2}
+    # row 0 leaves; the row joining at row 1 takes its slot
+    (c,) = _fill(pen, StepDelta(2, row_map=[1], new_rows=[_joining(1, [30, 31], [31])]))
+    assert c == a
+    assert sorted(_listed(pen, c)) == [30, 31]
+    assert (pen.flags[c] != 0).nonzero().flatten().tolist() == [30, 31]
+    assert pen.counts[c].nonzero().flatten().tolist() == [31]
+    check_seen_lists(pen.counts, pen.flags, pen.seen_ids, pen.num_seen)
 
 
 def test_bad_logit_bias_refused_under_speculation():

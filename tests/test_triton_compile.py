@@ -458,11 +458,11 @@ def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
     logits, slots = _bf16(t, v), torch.arange(t)
     pt.apply_logit_bias(logits, slots, torch.zeros(s, 300, dtype=torch.int32),
                         torch.zeros(s, 300))
-    counts = torch.zeros(s, v, dtype=torch.int32)
-    pt.apply_penalties(logits, slots, counts, torch.zeros(s, v, dtype=torch.bool),
-                       torch.zeros(s), torch.zeros(s), torch.ones(s))
+    seen = (torch.zeros(s, v, dtype=torch.int32), torch.zeros(s, v, dtype=torch.uint8),
+            torch.zeros(s, v, dtype=torch.int32), torch.zeros(s, dtype=torch.int32))
+    pt.apply_penalties(logits, slots, *seen, torch.zeros(s), torch.zeros(s), torch.ones(s))
     pt.apply_min_p(logits, slots, torch.rand(t), torch.zeros(s))
-    pt.count_tokens(counts, slots, torch.arange(t), torch.ones(t, dtype=torch.bool))
+    pt.count_tokens(*seen, slots, torch.arange(t), torch.ones(t, dtype=torch.bool))
     from graphexec.kernels.token_mask_triton import apply_token_mask
     rows = torch.zeros(t, v // 64 + 1, dtype=torch.int64)  # DecodeState.grammar_rows' layout
     apply_token_mask(logits, rows[:, :-1].view(torch.int32), rows[:, -1])
@@ -473,6 +473,9 @@ def test_penalty_kernels_compile_and_wait_first(compiled, monkeypatch):
     for name, kernel in kernels:
         assert kernel.metadata.launch_pdl, name
         assert not re.search(r"ld\.global|st\.global", _before_wait(kernel.asm["ptx"])), name
+    # penalties round count * frequency before subtracting it, as the reference does
+    penalty = next(k for name, k in kernels if name == "_penalty_kernel")
+    assert "mul.rn.f32" in penalty.asm["ptx"] and "fma" not in penalty.asm["ptx"]
 
 
 def test_mask_gate_polls_the_host_flag_with_a_deadline(compiled):
