@@ -76,7 +76,8 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
     if m > t.w8a8_triton_max_rows or not _runs_here(q):
         return scaled_mm(q, scale, weight, bias, out_dtype)
     bk = t.w8a8_block_k
-    bn = t.w8a8_block_n_few_rows if m <= t.w8a8_few_rows_max else t.w8a8_block_n
+    wide = m <= t.w8a8_few_rows_max or n >= t.wide_n
+    bn = t.w8a8_block_n_wide if wide else t.w8a8_block_n
     split = split or _split_k(triton.cdiv(n, bn), t.w8a8_programs, k, bk)
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)

@@ -115,12 +115,13 @@ class QuantLinearTuning:
     fp8_scaled_mm_min_rows: int = 17
     # W8A8's GEMM up to this many rows (kernels/linear_w8a8_triton.py), torch._scaled_mm
     # above: cuBLASLt's 128-column tiles leave most SMs idle on a decode batch. Its tile:
-    # every row, 128 columns up to w8a8_few_rows_max rows and 64 above, K split until the
-    # programs reach w8a8_programs. The best tiles of each llama-8b projection at 32 and 64
-    # rows on an H100 (tools/lab/w8a8_triton.py) all follow this rule.
+    # every row, 128 columns up to w8a8_few_rows_max rows or for weights of wide_n+ rows, 64
+    # otherwise, K split until the programs reach w8a8_programs: the best tile, or within
+    # 0.1 us of it, of each llama-8b projection at 32 and 64 rows on an H100
+    # (tools/lab/w8a8_triton.py).
     w8a8_triton_max_rows: int = 64
     w8a8_few_rows_max: int = 32
-    w8a8_block_n_few_rows: int = 128
+    w8a8_block_n_wide: int = 128
     w8a8_block_n: int = 64
     w8a8_block_k: int = 256
     w8a8_stages: int = 4

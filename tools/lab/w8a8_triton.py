@@ -25,7 +25,7 @@ from graphexec.kernels.tuning import DEFAULT  # noqa: E402
 def linear_w8a8(q, scale, weight, out_dtype, block_n=64, block_k=256, split=1, stages=4,
                 warps=4):
     """The shipped kernel with one tile forced."""
-    t = replace(DEFAULT.quant_linear, w8a8_block_n=block_n, w8a8_block_n_few_rows=block_n,
+    t = replace(DEFAULT.quant_linear, w8a8_block_n=block_n, w8a8_block_n_wide=block_n,
                 w8a8_block_k=block_k, w8a8_stages=stages, w8a8_warps=warps)
     return matmul_rows(q, scale, weight, None, out_dtype, t, split=split)
 
