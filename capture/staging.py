@@ -55,7 +55,7 @@ class H2DRing:
                      torch.empty(capacity, dtype=torch.float32, pin_memory=self.cuda))
 
     def put(self, ints: "list[int] | np.ndarray",
-            floats: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+            floats: "list[float] | np.ndarray") -> tuple[torch.Tensor, torch.Tensor]:
         """Enqueues the copy of both lists to the device; returns the device tensors."""
         if not self.cuda:
             return (host_tensor(ints, torch.int64).to(self.device),
