@@ -23,3 +23,17 @@ def test_async_graphs_equal_sync_at_size_2(quantization, kv_cache_dtype):
     got, breaks, _ = engine_in_a_process("llama-1b", dict(opts, async_scheduling=True), reqs)
     _same(want, got)
     assert breaks == 0
+
+
+def test_llama_8b_fp8_from_w8a8_rows_at_size_2():
+    """llama-8b in fp8 at tensor_parallel_size 2 with up to 48 rows a step: W8A8 (from 17
+    rows, kernels/linear_w8a8_triton.py) and W8A16 below, each rank's half of every
+    projection; async with graphs gives sync's tokens."""
+    reqs = _mixed_requests(48, seed=8)
+    opts = dict(device="cuda", dtype="bfloat16", max_batch=48, num_kv_blocks=512,
+                max_model_len=256, buckets=[1, 8, 16, 32, 48], tensor_parallel_size=2,
+                quantization="fp8")
+    want, _, _ = engine_in_a_process("llama-8b", dict(opts, async_scheduling=False), reqs)
+    got, breaks, _ = engine_in_a_process("llama-8b", dict(opts, async_scheduling=True), reqs)
+    _same(want, got)
+    assert breaks == 0
