@@ -53,15 +53,15 @@ def _await_flag_kernel(flag_ptr, passed_ptr, num_rows_ptr, flags_ptr, dst_ptr, r
 
 
 @triton.jit
-def _copy_masks_kernel(num_rows_ptr, src_ptr, dst_ptr, words_ptr, row_words, src_stride,
-                       dst_stride, n_words, BLOCK: tl.constexpr):
+def _copy_masks_kernel(num_rows_ptr, src_ptr, dst_ptr, words_ptr, row_words, dst_stride,
+                       n_words, BLOCK: tl.constexpr):
     """Row program_id's mask if the flag _await_flag_kernel copied into dst is set: n_words
-    words from src (its host row) to words_ptr (the same device row seen as words of src's
-    size; the row's last int64 is the flag)."""
+    words from src (its host row, n_words apart) to words_ptr (the same device row seen as
+    words of src's size; the row's last int64 is the flag)."""
     row = tl.program_id(0).to(tl.int64)
     if row < tl.load(num_rows_ptr):
         if tl.load(dst_ptr + row * row_words + row_words - 1) != 0:
-            src, dst = src_ptr + row * src_stride, words_ptr + row * dst_stride
+            src, dst = src_ptr + row * n_words, words_ptr + row * dst_stride
             for start in range(0, n_words, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 inb = offs < n_words
@@ -83,7 +83,7 @@ def await_masks(flag: torch.Tensor, passed: torch.Tensor, num_rows: torch.Tensor
         src, words, n, dst_stride = masks.view(torch.int64), dst, mask_words // 2, row_words
     else:
         src, words, n, dst_stride = masks, dst.view(torch.int32), mask_words, 2 * row_words
-    _copy_masks_kernel[(rows,)](num_rows, src, dst, words, row_words, n, dst_stride, n,
+    _copy_masks_kernel[(rows,)](num_rows, src, dst, words, row_words, dst_stride, n,
                                 BLOCK=tuning.mask_copy_block, num_warps=4)
     passed.add_(1)  # after the wait read it
     return dst
