@@ -1,10 +1,11 @@
 """fp8 weights at many rows (prefill chunks, mixed steps, batches past a few rows) on the fp8
-tensor cores: the activations quantized per row (scale = max|x| / 448 over the row) and
-torch._scaled_mm (cuBLASLt) with the row scales and the weight's channel scales. W8A8: the
-activations lose precision too, unlike W8A16 (kernels/linear_quant_triton.py), so it runs from
-QuantLinearTuning.fp8_scaled_mm_min_rows rows, where it measured faster. The quantization is
-fused into the kernel that makes the input (kernels/quant_rows_triton.py: the norm, silu * up);
-quantize_rows_ref here is its reference."""
+tensor cores: the activations quantized per row (scale = max|x| / 448 over the row), then the
+GEMM with the row scales and the weight's channel scales, torch._scaled_mm (cuBLASLt) here
+and kernels/linear_w8a8_triton.py at decode batches, both checked against the references
+below. W8A8: the activations lose precision too, unlike W8A16 (kernels/linear_quant_triton.py),
+so it runs from QuantLinearTuning.fp8_scaled_mm_min_rows rows, where it measured faster. The
+quantization is fused into the kernel that makes the input (kernels/quant_rows_triton.py: the
+norm, silu * up); quantize_rows_ref here is its reference."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """An fp8 projection's input, quantized per row in the kernel that makes it: x, or the RMSNorm
 of x + residual, or silu(gate) * up, then scale = max|row| / 448 and the row / scale in e4m3
-(W8A8 on torch._scaled_mm, kernels/linear_fp8_rows.py). Reference: linear_fp8_rows.
-quantize_rows_ref (same signature and rounding points).
+(W8A8: kernels/linear_w8a8_triton.py multiplies, or torch._scaled_mm past 64 rows).
+Reference: linear_fp8_rows.quantize_rows_ref (same signature and rounding points).
 
 Why fused: quantizing in PyTorch took 23 us a projection on an H100 (seven kernels over the
 row), more than the fp8 GEMM it feeds at 64 rows. From more than one row the norm and the

@@ -141,8 +141,8 @@ class QuantLinearTuning:
     few_rows: LinearConfig = LinearConfig(16, 32, 256)
     many_rows: LinearConfig = LinearConfig(64, 32, 128)
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
-    # int4: the same row classes; block_k is cut to the group. The kernel is bound by
-    # unpacking, not by bytes: 0.2-0.3 of its floor on an H100. One row keeps CUDA-core dot
+    # int4: the same row classes; block_k is cut to the group. 0.2-0.3 of its bytes floor on
+    # an H100, for reasons not yet found (docs/benchmarks.md). One row keeps CUDA-core dot
     # products: a 16-row tile timed faster alone but slowed the decode step.
     int4_one_row: LinearConfig = LinearConfig(1, 16, 256)
     int4_few_rows: LinearConfig = LinearConfig(16, 32, 128)
