@@ -7,14 +7,15 @@ quantized weight is read at 1 (fp8) or a bit over 0.5 (int4) bytes an element in
 fp8 converts to the activation dtype exactly and its per-channel scale is constant along K,
 so it multiplies the finished sum in the epilogue. An int4 group's scale is constant over a
 group of K, so a K tile never spans two groups (block_k is cut to the group size) and the
-tile's partial sum is scaled once per output column before it joins the accumulator; the
-codes (q - zero) are small integers, exact in bf16/fp16, so a tensor-core dot takes them as
-they are. A tile's packed words come in one vector load and are spread to their eight values
-by shifts in registers.
+tile's partial sum is scaled once per output column before it joins the accumulator. A tile's
+packed words come in one vector load and are spread to their eight values in the thread that
+loaded them (_nibbles); the codes (q - zero) are small integers, exact in bf16/fp16, so a
+tensor-core dot takes them as they are.
 
-Each program owns BLOCK_M rows x BLOCK_N columns; one-row batches use CUDA-core dot products
-(block_m 1), more rows tensor-core tiles. When the columns give too few programs, K is split
-and linear_triton's partial-sum kernel adds the fp32 partials in split order (deterministic).
+Each program owns BLOCK_M rows x BLOCK_N columns. fp8 one-row batches use CUDA-core dot
+products (block_m 1), more rows tensor-core tiles; int4 always takes tensor-core tiles. When
+the columns give too few programs, K is split and linear_triton's partial-sum kernel adds the
+fp32 partials in split order (deterministic).
 
 fp8 weights from QuantLinearTuning.fp8_scaled_mm_min_rows rows take W8A8 instead
 (takes_w8a8): the norm or activation kernel quantizes the rows, kernels/linear_w8a8_triton.py
@@ -93,29 +94,49 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
              HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
-    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load, each spread to its eight
-    values (value j at bits 4j): k = word * 8 + j, the order of the reshape."""
+    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load; k = word * 8 + j takes value
+    j of its word (_nibbles)."""
     wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
                            BLOCK_K // 8)
     words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
                     other=0)
-    u = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    u = tl.reshape(u, [BLOCK_N, BLOCK_K])
     g = k0 // GROUP
     scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
+    offset = tl.full([BLOCK_N], 8388616.0, tl.float32)  # 2^23 + 8
     if HAS_ZERO:
-        offset = 8 + tl.load(z_rows + g, mask=n_ok, other=0).to(tl.int32)
-    else:
-        offset = tl.full([BLOCK_N], 8, tl.int32)
-    return (u - offset[:, None]).to(tl.float32), scale
+        offset += tl.load(z_rows + g, mask=n_ok, other=0).to(tl.float32)
+    return _nibbles(words, BLOCK_N, BLOCK_K) - offset[:, None], scale
+
+
+@triton.jit
+def _nibble(words, j: tl.constexpr):
+    """Value j of every word, ORed into the mantissa of 2^23 (a float whose ulp is 1): the
+    float 2^23 + value, exactly, with no int-to-float conversion."""
+    return (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibbles(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] floats 2^23 + value, k = word * 8 + j. tl.join keeps the eight
+    values of a word in the thread that loaded it, so the reshape moves no data (one that
+    broadcast the words against eight shifts went through shared memory every tile). Joins
+    append the new axis last, so the pairs nest as j = 4 * j2 + 2 * j1 + j0."""
+    by_j2 = (tl.join(_nibble(words, 0), _nibble(words, 4)),
+             tl.join(_nibble(words, 2), _nibble(words, 6)),
+             tl.join(_nibble(words, 1), _nibble(words, 5)),
+             tl.join(_nibble(words, 3), _nibble(words, 7)))
+    even = tl.join(by_j2[0], by_j2[1])
+    odd = tl.join(by_j2[2], by_j2[3])
+    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
 def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
                 SCALED: tl.constexpr):
     """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
-    output column when SCALED. Tensor-core tiles (DOT) add finished [BLOCK_M, BLOCK_N] sums;
-    one row (BLOCK_M 1) adds the [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
+    output column when SCALED (int4, whose tiles are all tensor-core ones). Tensor-core tiles
+    (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds the
+    [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
         if UPCAST:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
@@ -124,10 +145,7 @@ def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
         if SCALED:
             p = p * scale[None, :]
     else:
-        xs = x.to(tl.float32)
-        if SCALED:
-            xs = xs * scale[:, None]
-        p = w.to(tl.float32) * xs
+        p = w.to(tl.float32) * x.to(tl.float32)
     return acc + p
 
 
@@ -248,8 +266,11 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
-    and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale.
-    BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
+    and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale,
+    on tensor-core tiles only (BLOCK_M >= 16; one row is padded to one): per weight, the
+    unpacking costs more than a CUDA-core dot can hide (one row on CUDA cores reached 0.10-0.17
+    of the bytes floor on an H100, a 16-row tile 0.25-0.35). BLOCK_K divides GROUP, so a tile's
+    columns share one scale per output column. KW = K / 8,
     the words a row, passed so that Triton sees its alignment (vector loads). x goes through
     the prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -259,7 +280,7 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
     s_rows = s_ptr + rn.to(tl.int64) * (K // GROUP)
     z_rows = z_ptr + rn.to(tl.int64) * (K // GROUP)
-    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
@@ -278,8 +299,6 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                                 BLOCK_N, BLOCK_K)
         acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
                     GATED, DOT, UPCAST, True, BLOCK_K)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc, axis=1)[None, :]
     tiles.store_tile(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
@@ -322,9 +341,9 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
         config, split = pick_config(m, n, k, group, weight.format == "int4", t)
     else:
         split = config.split_k
-        if weight.format == "int4" and group % config.block_k:
-            raise ValueError(f"config.block_k={config.block_k} must divide the int4 "
-                             f"group_size={group}")
+        if weight.format == "int4" and (group % config.block_k or config.block_m == 1):
+            raise ValueError(f"int4 takes tensor-core tiles whose block_k divides the "
+                             f"group_size={group}; got {config}")
     bk = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
@@ -384,10 +403,14 @@ def takes_w8a8(x: torch.Tensor, weight: QuantizedWeight, t: QuantLinearTuning = 
     return linear_fp8_rows.supported(x[:, :k], weight)
 
 
-def _fuses(x: torch.Tensor, config: LinearConfig | None, t: QuantLinearTuning) -> bool:
+def _fuses(x: torch.Tensor, weight: QuantizedWeight, config: LinearConfig | None,
+           t: QuantLinearTuning) -> bool:
     """The prologue in the kernel up to t.fuse_max_rows rows (or with a forced config): above,
-    every program re-reading the rows costs more than the separate kernel it saves."""
-    return config is not None or x.shape[0] <= t.fuse_max_rows
+    every program re-reading the rows costs more than the separate kernel it saves. Not for
+    int4, whose one row is padded to a 16-row tile: every program would compute the prologue
+    for 16 rows (llama-8b's int4 step at one row took 7.94 ms fused, 4.74 ms unfused, on an
+    H100)."""
+    return config is not None or (x.shape[0] <= t.fuse_max_rows and weight.format == "fp8")
 
 
 def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
@@ -403,7 +426,7 @@ def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
                     for v in (residual, norm_weight) if v is not None)):
         q, scale, summed = quantize_rows(x, residual, norm_weight, eps)
         return matmul_rows(q, scale, weight, bias, x.dtype, t), summed
-    if (not _fuses(x, config, t) or not supported(x, weight, x.shape[0], 1, residual,
+    if (not _fuses(x, weight, config, t) or not supported(x, weight, x.shape[0], 1, residual,
                                                   norm_weight)
             or (residual is not None and residual.shape != x.shape)):
         from .linear_triton import _norm
@@ -422,7 +445,8 @@ def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
     if config is None and takes_w8a8(gate_up, weight, t, gated=True):
         q, scale, _ = quantize_rows(gate_up, gated=True)
         return matmul_rows(q, scale, weight, bias, gate_up.dtype, t)
-    if not _fuses(gate_up, config, t) or not supported(gate_up, weight, gate_up.shape[0], 2):
+    if (not _fuses(gate_up, weight, config, t)
+            or not supported(gate_up, weight, gate_up.shape[0], 2)):
         from .activation_triton import silu_mul
 
         return linear_quant(silu_mul(gate_up), weight, bias, t=t)

@@ -141,18 +141,18 @@ class QuantLinearTuning:
     few_rows: LinearConfig = LinearConfig(16, 32, 256)
     many_rows: LinearConfig = LinearConfig(64, 32, 128)
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
-    # int4: the same row classes; block_k is cut to the group. 0.2-0.3 of its bytes floor on
-    # an H100, for reasons not yet found (docs/benchmarks.md). One row keeps CUDA-core dot
-    # products: a 16-row tile timed faster alone but slowed the decode step.
-    int4_one_row: LinearConfig = LinearConfig(1, 16, 256)
-    int4_few_rows: LinearConfig = LinearConfig(16, 32, 128)
-    int4_many_rows: LinearConfig = LinearConfig(64, 64, 128, num_warps=8)
+    # int4: tensor-core tiles only, one row padded to the few-rows tile; block_k is cut to the
+    # group. tools/lab/tune_quant_linear.py on an H100 put every projection's best at 64
+    # columns and 4 warps (wider, deeper-pipelined or 8-warp tiles were no faster), at
+    # 0.25-0.35 of the bytes floor up to 16 rows and 0.17-0.24 at 64.
+    int4_few_rows: LinearConfig = LinearConfig(16, 64, 128)
+    int4_many_rows: LinearConfig = LinearConfig(64, 64, 128)
     int4_many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
 
     def config_for(self, m: int, n: int, int4: bool) -> LinearConfig:
         """The tile for m rows of a weight with n output columns."""
         prefix = "int4_" if int4 else ""
-        kind = ("one_row" if m == 1 else "few_rows" if m <= self.few_rows_max
+        kind = ("one_row" if m == 1 and not int4 else "few_rows" if m <= self.few_rows_max
                 else "many_rows_wide" if n >= self.wide_n else "many_rows")
         return getattr(self, prefix + kind)
 

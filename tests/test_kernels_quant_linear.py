@@ -48,8 +48,8 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
 
     if dtype == torch.float16 and config is not None:
         pytest.skip("fp16 takes the bf16 code but for the element type: the shipped configs")
-    if config is not None and config[0] == 1 and m != 1:
-        pytest.skip("block_m 1 is the one-row kernel")
+    if config is not None and config[0] == 1 and (m != 1 or fmt != "fp8"):
+        pytest.skip("block_m 1 is fp8's one-row kernel")
     x = _randn((m, k + 8), dtype, 1)[:, 4:k + 4]  # rows strided wider than K
     qw = _quantize(_randn((n, k), torch.float32, 2, k ** -0.5), fmt)
     group = qw.group_size or k
@@ -77,13 +77,15 @@ def test_linear_quant_bias(fmt, split):
 
 @kernel_test
 @pytest.mark.gpu
-def test_block_k_across_a_group_is_a_value_error():
+@pytest.mark.parametrize("config", [(16, 16, 64), (1, 8, 32)])
+def test_int4_tile_across_a_group_or_of_one_row_is_a_value_error(config):
+    """int4 takes tensor-core tiles that stay inside one group."""
     from graphexec.kernels import linear_quant_triton as lq
 
     qw = quantize_int4(torch.randn(16, 128, device=DEV), 32)
     x = torch.randn(1, 128, device=DEV).to(torch.bfloat16)
     with pytest.raises(ValueError, match="group_size=32"):
-        lq.linear_quant(x, qw, config=lq.LinearConfig(1, 8, 64))
+        lq.linear_quant(x, qw, config=lq.LinearConfig(*config))
 
 
 @kernel_test
@@ -102,6 +104,18 @@ PROLOGUE_CASES = big([(1, 4096, None), (1, 14336, (1, 8, 128, 4)), (16, 4096, (1
                      [(1, 256, None), (1, 256, (1, 8, 32, 2)), (5, 128, (16, 16, 32, 1))])
 
 
+def _prologue_config(config, qw, k):
+    """The forced tile, block_k cut to the int4 group; int4 pads one row to a 16 x 16 tile."""
+    from graphexec.kernels import linear_quant_triton as lq
+
+    if config is None:
+        return None
+    bm, bn, bk, split = config
+    if qw.format != "fp8":
+        bm, bn = max(bm, 16), max(bn, 16)
+    return lq.LinearConfig(bm, bn, min(bk, qw.group_size or k), split_k=split)
+
+
 @kernel_test
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,config", PROLOGUE_CASES)
@@ -118,8 +132,7 @@ def test_norm_linear_quant(m, k, config, fmt, with_residual):
     res = _randn((m, k), dtype, 8, 3.0) if with_residual else None
     nw = (1.0 + 0.2 * _randn((k,), torch.float32, 9)).to(dtype)
     qw = _quantize(_randn((n, k), torch.float32, 10, k ** -0.5), fmt)
-    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], qw.group_size or k),
-                           split_k=config[3]) if config else None)
+    cfg = _prologue_config(config, qw, k)
     out, summed = lq.norm_linear_quant(x, res, nw, 1e-5, qw, config=cfg)
     want, want_sum = norm_linear_quant_ref(x.float(), None if res is None else res.float(),
                                            nw.float(), 1e-5, qw)
@@ -140,8 +153,7 @@ def test_silu_mul_linear_quant(m, k, config, fmt):
     dtype, n = torch.bfloat16, 24
     gate_up = _randn((m, 2 * k), dtype, 11)
     qw = _quantize(_randn((n, k), torch.float32, 12, k ** -0.5), fmt)
-    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], qw.group_size or k),
-                           split_k=config[3]) if config else None)
+    cfg = _prologue_config(config, qw, k)
     out = lq.silu_mul_linear_quant(gate_up, qw, config=cfg)
     _check(out, _ref(act_ref.silu_mul_ref(gate_up), qw), dtype, "reduction")
 

@@ -11,7 +11,7 @@ between kernels (launch latency inside the graph), which no faster kernel can re
 
 `--engine-gaps STEPS` instead runs the real async loop and times the gaps between iterations;
 with `--tp 2` it does so at tensor_parallel_size 2 and reports rank 0's all-reduce time per step
-(`GRAPHEXEC_PDL=0` for kernel times that add up to the step).
+(`GRAPHEXEC_PDL=off` for kernel times that add up to the step).
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def engine_gaps(model: str, batch: int, steps: int, prompt_len: int = 128,
     CUDA events, then one profiled stretch that names what the GPU ran inside the gaps and
     what each kernel took per step (rank 0's GPU under tensor parallelism: there the
     all-reduce kernels are listed too; with PDL on, overlapping kernels add up to more than the
-    step, so GRAPHEXEC_PDL=0 gives shares that add up). Returns the engine, still open, with
+    step, so GRAPHEXEC_PDL=off gives shares that add up). Returns the engine, still open, with
     the report: the caller saves the report before closing (a size-2 close once outlived the
     time its device run had left, and the report was lost with it)."""
     llm = LLM(model, max_batch=batch, max_model_len=prompt_len + 2 * steps + 64,

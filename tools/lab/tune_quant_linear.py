@@ -37,8 +37,8 @@ FORMATS = {"fp8": quantize_fp8, "int4": lambda w: quantize_int4(w, 128),
 
 
 def candidates(m: int, int4: bool) -> list[LinearConfig]:
-    """Tiles to try: one row on CUDA cores or padded to a 16-row tensor-core tile; more rows
-    on tensor-core tiles. An int4 tile is at most a group (128) deep."""
+    """Tiles to try: fp8's one row on CUDA cores or padded to a 16-row tensor-core tile; more
+    rows, and int4 always, on tensor-core tiles. An int4 tile is at most a group (128) deep."""
     def grid(bms, bns, bks, splits, stages, warps):
         for bm, bn, bk, split, st, w in itertools.product(bms, bns, bks, splits, stages, warps):
             if not (int4 and bk > 128):
@@ -46,16 +46,15 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
 
     if m == 1:
         if int4:
-            return [*grid([1], [8, 16, 32], [64, 128], [1, 2, 4], [3], [4]),
-                    *grid([16], [32, 64], [128], [1, 2, 4], [3], [4])]
+            return list(grid([16], [64, 128], [128], [1, 2, 4, 8], [3], [4]))
         return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
     if m <= 16:
         if int4:
-            return list(grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4]))
+            return list(grid([16], [64, 128], [128], [1, 2, 4, 8], [3], [4]))
         return list(grid([16], [32, 64, 128], [128, 256], [1, 2, 4], [3, 4], [4]))
     if int4:
-        return list(grid([64], [64, 128], [128, 256], [1, 2], [3], [4, 8]))
+        return list(grid([64], [64, 128], [128], [1, 2, 4], [3, 4], [4, 8]))
     return list(grid([64], [32, 64, 128], [128, 256], [1, 2], [3, 4], [4, 8]))
 
 
