@@ -13,8 +13,9 @@ from .tuning import DEFAULT, QuantLinearTuning
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, FP8: tl.constexpr, GROUP: tl.constexpr,
-                    HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, ssn, ssg, szn, szg, FP8: tl.constexpr,
+                    GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     """Program (column block, row block): fp8 q * scale[n], or int4 (q - zero) * scale[n, g]
     (value j of a word at bits 4j, stored as q + 8), rounded once to out's dtype."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -28,10 +29,10 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, FP8: tl.constexpr, GROUP
     else:
         words = tl.load(w_ptr + rows * (K // 8) + (ks // 8)[None, :], mask=mask, other=0)
         q = ((words >> ((ks % 8) * 4)[None, :]) & 0xF) - 8
-        g = rows * (K // GROUP) + (ks // GROUP)[None, :]
-        scale = tl.load(s_ptr + g, mask=mask, other=0.0)
+        g = (ks // GROUP)[None, :]
+        scale = tl.load(s_ptr + rows * ssn + g * ssg, mask=mask, other=0.0)
         if HAS_ZERO:
-            q = q - tl.load(z_ptr + g, mask=mask, other=0).to(tl.int32)
+            q = q - tl.load(z_ptr + rows * szn + g * szg, mask=mask, other=0).to(tl.int32)
         q = q.to(tl.float32)
     tl.store(out_ptr + rows * K + ks[None, :], (q * scale).to(out_ptr.dtype.element_ty),
              mask=mask)
@@ -44,7 +45,8 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype | None = None,
     out = torch.empty((n, k), dtype=dtype or w.out_dtype, device=w.device)
     bn, bk = t.dequant_block_n, t.dequant_block_k
     z = w.zero if w.zero is not None else w.scale
+    strides = (*w.scale.stride(), *z.stride()) if w.format == "int4" else (1, 0, 1, 0)
     _dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
-        w.data, w.scale, z, out, n, k, FP8=w.format == "fp8", GROUP=w.group_size or 1,
+        w.data, w.scale, z, out, n, k, *strides, FP8=w.format == "fp8", GROUP=w.group_size or 1,
         HAS_ZERO=w.zero is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return out

@@ -91,7 +91,7 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
+def _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k0, k_hi, n_ok, GROUP: tl.constexpr,
              HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
     tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load; k = word * 8 + j takes value
@@ -101,10 +101,10 @@ def _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP: tl.constexpr,
     words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
                     other=0)
     g = k0 // GROUP
-    scale = tl.load(s_rows + g, mask=n_ok, other=0.0)
+    scale = tl.load(s_rows + g * ssg, mask=n_ok, other=0.0)
     offset = tl.full([BLOCK_N], 8388616.0, tl.float32)  # 2^23 + 8
     if HAS_ZERO:
-        offset += tl.load(z_rows + g, mask=n_ok, other=0).to(tl.float32)
+        offset += tl.load(z_rows + g * szg, mask=n_ok, other=0).to(tl.float32)
     return _nibbles(words, BLOCK_N, BLOCK_K) - offset[:, None], scale
 
 
@@ -260,9 +260,9 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
 
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-                  M, N, K, KW, k_per_split, sx, sr, eps, NORM: tl.constexpr,
-                  HAS_RES: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  M, N, K, KW, k_per_split, sx, sr, ssn, ssg, szn, szg, eps,
+                  NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
@@ -278,13 +278,13 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
-    s_rows = s_ptr + rn.to(tl.int64) * (K // GROUP)
-    z_rows = z_ptr + rn.to(tl.int64) * (K // GROUP)
+    s_rows = s_ptr + rn.to(tl.int64) * ssn
+    z_rows = z_ptr + rn.to(tl.int64) * szn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
+        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
                                   BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
@@ -295,7 +295,7 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                     HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, k0, k_hi, n_ok, GROUP, HAS_ZERO,
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k0, k_hi, n_ok, GROUP, HAS_ZERO,
                                 BLOCK_N, BLOCK_K)
         acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
                     GATED, DOT, UPCAST, True, BLOCK_K)
@@ -368,8 +368,9 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     else:
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,
-                            k // 8, k_per_split, x.stride(0), r.stride(0), eps, GROUP=group,
-                            HAS_ZERO=weight.zero is not None, **tiles)
+                            k // 8, k_per_split, x.stride(0), r.stride(0), *weight.scale.stride(),
+                            *z.stride(), eps, GROUP=group, HAS_ZERO=weight.zero is not None,
+                            **tiles)
     if split > 1:
         sum_splits(ws, out, bias, t.split_sum_block)
     return out, summed
