@@ -121,12 +121,10 @@ def _nibbles(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     values of a word in the thread that loaded it, so the reshape moves no data (one that
     broadcast the words against eight shifts went through shared memory every tile). Joins
     append the new axis last, so the pairs nest as j = 4 * j2 + 2 * j1 + j0."""
-    by_j2 = (tl.join(_nibble(words, 0), _nibble(words, 4)),
-             tl.join(_nibble(words, 2), _nibble(words, 6)),
-             tl.join(_nibble(words, 1), _nibble(words, 5)),
-             tl.join(_nibble(words, 3), _nibble(words, 7)))
-    even = tl.join(by_j2[0], by_j2[1])
-    odd = tl.join(by_j2[2], by_j2[3])
+    n = (_nibble(words, 0), _nibble(words, 1), _nibble(words, 2), _nibble(words, 3),
+         _nibble(words, 4), _nibble(words, 5), _nibble(words, 6), _nibble(words, 7))
+    even = tl.join(tl.join(n[0], n[4]), tl.join(n[2], n[6]))
+    odd = tl.join(tl.join(n[1], n[5]), tl.join(n[3], n[7]))
     return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
 
 
@@ -262,15 +260,16 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
 def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
                   M, N, K, KW, k_per_split, sx, sr, ssn, ssg, szn, szg, eps,
                   NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                  UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                  PDL: tl.constexpr):
     """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
-    and int8 zero point [N, K / GROUP]: out = sum over groups of (x @ (q - zero).T) * scale,
-    on tensor-core tiles only (BLOCK_M >= 16; one row is padded to one): per weight, the
-    unpacking costs more than a CUDA-core dot can hide (one row on CUDA cores reached 0.10-0.17
-    of the bytes floor on an H100, a 16-row tile 0.25-0.35). BLOCK_K divides GROUP, so a tile's
-    columns share one scale per output column. KW = K / 8,
+    and int8 zero point [N, K / GROUP] (strides ssn, ssg and szn, szg): out = sum over groups
+    of (x @ (q - zero).T) * scale, on tensor-core tiles only (BLOCK_M >= 16, a single row
+    padded to 16): per weight, the unpacking costs more than a CUDA-core dot can hide (one row
+    on CUDA cores reached 0.10-0.17 of the bytes floor on an H100, a 16-row tile 0.25-0.35).
+    BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
     the words a row, passed so that Triton sees its alignment (vector loads). x goes through
     the prologue (_x_tile)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -284,8 +283,8 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k_lo, k_hi, n_ok, GROUP, HAS_ZERO,
-                                  BLOCK_N, BLOCK_K)
+        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k_lo, k_hi, n_ok, GROUP,
+                                  HAS_ZERO, BLOCK_N, BLOCK_K)
         pdl.gdc_wait()
     rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
                  NORM, HAS_RES, BLOCK_M, BLOCK_K)
@@ -295,8 +294,8 @@ def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out
                     HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k0, k_hi, n_ok, GROUP, HAS_ZERO,
-                                BLOCK_N, BLOCK_K)
+        codes, scale = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k0, k_hi, n_ok, GROUP,
+                                HAS_ZERO, BLOCK_N, BLOCK_K)
         acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
                     GATED, DOT, UPCAST, True, BLOCK_K)
     tiles.store_tile(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
@@ -368,9 +367,9 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     else:
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,
-                            k // 8, k_per_split, x.stride(0), r.stride(0), *weight.scale.stride(),
-                            *z.stride(), eps, GROUP=group, HAS_ZERO=weight.zero is not None,
-                            **tiles)
+                            k // 8, k_per_split, x.stride(0), r.stride(0),
+                            *weight.scale.stride(), *z.stride(), eps, GROUP=group,
+                            HAS_ZERO=weight.zero is not None, **tiles)
     if split > 1:
         sum_splits(ws, out, bias, t.split_sum_block)
     return out, summed
