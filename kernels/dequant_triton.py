@@ -17,7 +17,8 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, ssn, ssg, szn, szg, FP8:
                     GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     """Program (column block, row block): fp8 q * scale[n], or int4 (q - zero) * scale[n, g]
-    (value j of a word at bits 4j, stored as q + 8), rounded once to out's dtype."""
+    (stored as q + 8 in plane order: column 16j + e of a 64-column block at nibble j of half
+    e of the block, kernels/quant.py), rounded once to out's dtype."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -27,8 +28,10 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, ssn, ssg, szn, szg, FP8:
         q = tl.load(w_ptr + rows * K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
     else:
-        words = tl.load(w_ptr + rows * (K // 8) + (ks // 8)[None, :], mask=mask, other=0)
-        q = ((words >> ((ks % 8) * 4)[None, :]) & 0xF) - 8
+        half = (ks // 64) * 16 + ks % 16
+        shift = (half % 2) * 16 + (ks % 64 // 16) * 4
+        words = tl.load(w_ptr + rows * (K // 8) + (half // 2)[None, :], mask=mask, other=0)
+        q = ((words >> shift[None, :]) & 0xF) - 8
         g = (ks // GROUP)[None, :]
         scale = tl.load(s_ptr + rows * ssn + g * ssg, mask=mask, other=0.0)
         if HAS_ZERO:

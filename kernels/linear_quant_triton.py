@@ -5,17 +5,23 @@ Reference: kernels/linear_quant.py (same signature).
 Why this shape: a decode step streams every weight once, so the bytes read set its floor, and a
 quantized weight is read at 1 (fp8) or a bit over 0.5 (int4) bytes an element instead of 2.
 fp8 converts to the activation dtype exactly and its per-channel scale is constant along K,
-so it multiplies the finished sum in the epilogue. An int4 group's scale is constant over a
-group of K, so a K tile never spans two groups (block_k is cut to the group size) and the
-tile's partial sum is scaled once per output column before it joins the accumulator. A tile's
-packed words come in one vector load and are spread to their eight values in the thread that
-loaded them (_nibbles); the codes (q - zero) are small integers, exact in bf16/fp16, so a
-tensor-core dot takes them as they are.
+so it multiplies the finished sum in the epilogue. fp8 one-row batches use CUDA-core dot
+products (block_m 1), more rows tensor-core tiles.
 
-Each program owns BLOCK_M rows x BLOCK_N columns. fp8 one-row batches use CUDA-core dot
-products (block_m 1), more rows tensor-core tiles; int4 always takes tensor-core tiles. When
-the columns give too few programs, K is split and linear_triton's partial-sum kernel adds the
-fp32 partials in split order (deterministic).
+int4 is bound by the instructions that unpack it, not by its bytes: a tile's codes must reach
+the tensor cores' operand registers as bf16 / fp16 with few instructions each. Its weights
+come in plane order (kernels/quant.py), so nibble j of the tile's int16 halves is a plane of
+16 K columns a block: an elementwise function of the loaded halves, which Triton computes in
+the operand's register layout after one shared-memory pass of the packed bytes (a function
+that moved values between threads would send every unpacked bf16 value through shared
+memory). The weight is the left operand (out.T = w @ x.T): Hopper's wgmma takes its left
+operand from registers, and the rows, padded to 16, are its narrow side. Two codes share a
+32-bit register: one shift, one lop3 that puts both nibbles in the mantissas of 128.0 (bf16)
+or 1024.0 (fp16), whose ulp is 1, and one fma that takes 136 + zero away, all exact
+(_plane). The group's scale multiplies each tile's fp32 partial sums.
+
+When the columns give too few programs, K is split and linear_triton's partial-sum kernel adds
+the fp32 partials in split order (deterministic).
 
 fp8 weights from QuantLinearTuning.fp8_scaled_mm_min_rows rows take W8A8 instead
 (takes_w8a8): the norm or activation kernel quantizes the rows, kernels/linear_w8a8_triton.py
@@ -38,7 +44,7 @@ from .quant_rows_triton import quantize_rows
 from .linear_triton import _split_k, sum_splits
 from .dequant_triton import dequantize
 from .linear_quant import linear_quant_ref
-from .quant import QuantizedWeight
+from .quant import PLANE_BLOCK, QuantizedWeight
 from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (tests)
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
@@ -91,48 +97,96 @@ def _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k0, k_hi, n_ok, GROUP: tl.constexpr,
-             HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(the codes q - zero [BLOCK_N, BLOCK_K] in fp32, the tile's group scale [BLOCK_N]). The
-    tile's words [BLOCK_N, BLOCK_K / 8] come in one vector load; k = word * 8 + j takes value
-    j of its word (_nibbles)."""
-    wk = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), BLOCK_K // 8),
-                           BLOCK_K // 8)
-    words = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk < k_hi // 8)[None, :],
-                    other=0)
-    g = k0 // GROUP
-    scale = tl.load(s_rows + g * ssg, mask=n_ok, other=0.0)
-    offset = tl.full([BLOCK_N], 8388616.0, tl.float32)  # 2^23 + 8
+def _halves(w_rows, k0, n_ok, BLOCK_K: tl.constexpr):
+    """The int4 tile [BLOCK_N, BLOCK_K / 4] as stored, read as int16: four codes a half."""
+    hk = tl.max_contiguous(tl.multiple_of(k0 // 4 + tl.arange(0, BLOCK_K // 4), BLOCK_K // 4),
+                           BLOCK_K // 4)
+    return tl.load(w_rows + hk[None, :], mask=n_ok[:, None], other=0)
+
+
+@triton.jit
+def _plane(halves, j: tl.constexpr, offset, dtype: tl.constexpr, ASM: tl.constexpr):
+    """Nibble j of every half minus offset (offset = magic + 8 + zero): the codes q - zero in
+    dtype. ASM: two codes a 32-bit register, put in the mantissas of the magic number (bf16
+    128, fp16 1024: ulp 1) by one lop3, then one fma subtracts the offset; exact. Else (the
+    interpreter, which runs no PTX) the same in fp32."""
+    if ASM:
+        if j == 0:
+            shift: tl.constexpr = "mov.b32 t, $1; "
+        elif j == 1:
+            shift: tl.constexpr = "shr.u32 t, $1, 4; "
+        elif j == 2:
+            shift: tl.constexpr = "shr.u32 t, $1, 8; "
+        else:
+            shift: tl.constexpr = "shr.u32 t, $1, 12; "
+        if dtype == tl.bfloat16:
+            code: tl.constexpr = ("lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; "
+                                  "mov.b32 one, 0x3F803F80; fma.rn.bf16x2 $0, t, one, $2; }")
+        else:
+            code: tl.constexpr = ("lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; "
+                                  "mov.b32 one, 0x3C003C00; fma.rn.f16x2 $0, t, one, $2; }")
+        w = tl.inline_asm_elementwise("{ .reg .b32 t, one; " + shift + code, "=r,r,r",
+                                      [halves, -offset], dtype=offset.dtype, is_pure=True,
+                                      pack=2)
+    else:
+        magic = 128.0 if dtype == tl.bfloat16 else 1024.0
+        w = ((halves.to(tl.int32) >> (4 * j)) & 0xF).to(tl.float32) + magic - offset
+    return w
+
+
+@triton.jit
+def _group_terms(s_rows, z_rows, ssg, szg, g, n_ok, dtype: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(_plane's offset [BLOCK_N, 1]: magic + 8 + zero, in dtype for ASM else fp32; the
+    group's fp32 scale [BLOCK_N]) for group g."""
+    offset = tl.full([BLOCK_N], 136.0 if dtype == tl.bfloat16 else 1032.0, tl.float32)
     if HAS_ZERO:
         offset += tl.load(z_rows + g * szg, mask=n_ok, other=0).to(tl.float32)
-    return _nibbles(words, BLOCK_N, BLOCK_K) - offset[:, None], scale
+    if ASM:
+        offset = offset.to(dtype)
+    return offset[:, None], tl.load(s_rows + g * ssg, mask=n_ok, other=0.0)
 
 
 @triton.jit
-def _nibble(words, j: tl.constexpr):
-    """Value j of every word, ORed into the mantissa of 2^23 (a float whose ulp is 1): the
-    float 2^23 + value, exactly, with no int-to-float conversion."""
-    return (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+def _plane_dot(p, halves, j: tl.constexpr, offset, x_cols, ks, m_ok, dtype: tl.constexpr,
+               ASM: tl.constexpr):
+    """p + plane j of the tile [BLOCK_N, BLOCK_K / 4] times x's matching columns, transposed
+    [BLOCK_K / 4, BLOCK_M] (ks: the columns of plane 0)."""
+    x = tl.load(x_cols + (ks + 16 * j)[:, None], mask=m_ok[None, :], other=0.0)
+    if not ASM:
+        x = x.to(tl.float32)  # the interpreter gets bf16 dots wrong
+    return tl.dot(_plane(halves, j, offset, dtype, ASM), x, p)
 
 
 @triton.jit
-def _nibbles(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] floats 2^23 + value, k = word * 8 + j. tl.join keeps the eight
-    values of a word in the thread that loaded it, so the reshape moves no data (one that
-    broadcast the words against eight shifts went through shared memory every tile). Joins
-    append the new axis last, so the pairs nest as j = 4 * j2 + 2 * j1 + j0."""
-    n = (_nibble(words, 0), _nibble(words, 1), _nibble(words, 2), _nibble(words, 3),
-         _nibble(words, 4), _nibble(words, 5), _nibble(words, 6), _nibble(words, 7))
-    even = tl.join(tl.join(n[0], n[4]), tl.join(n[2], n[6]))
-    odd = tl.join(tl.join(n[1], n[5]), tl.join(n[3], n[7]))
-    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
+def _w4_step(acc, halves, x_cols, s_rows, z_rows, ssg, szg, k0, m_ok, n_ok,
+             dtype: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+             ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus the tile at K columns k0.. (its halves loaded) times x: the
+    planes' sums scaled once a tile, or once a plane for groups of 16 or 32 (a tile is then
+    one 64-column block)."""
+    e = tl.arange(0, BLOCK_K // 4)
+    ks = k0 + (e // 16) * 64 + e % 16  # the K column of each half's nibble 0
+    zeros = tl.zeros(acc.shape, dtype=tl.float32)
+    if GROUP >= 64:
+        offset, scale = _group_terms(s_rows, z_rows, ssg, szg, k0 // GROUP, n_ok, dtype,
+                                     HAS_ZERO, ASM, BLOCK_N)
+        p = zeros
+        for j in tl.static_range(4):
+            p = _plane_dot(p, halves, j, offset, x_cols, ks, m_ok, dtype, ASM)
+        acc += p * scale[:, None]
+    else:
+        for j in tl.static_range(4):
+            offset, scale = _group_terms(s_rows, z_rows, ssg, szg, (k0 + 16 * j) // GROUP,
+                                         n_ok, dtype, HAS_ZERO, ASM, BLOCK_N)
+            acc += _plane_dot(zeros, halves, j, offset, x_cols, ks, m_ok, dtype,
+                              ASM) * scale[:, None]
+    return acc
 
 
 @triton.jit
-def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
-                SCALED: tl.constexpr):
-    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, times scale per
-    output column when SCALED (int4, whose tiles are all tensor-core ones). Tensor-core tiles
+def _accumulate(acc, x, w, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc plus x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed. Tensor-core tiles
     (DOT) add finished [BLOCK_M, BLOCK_N] sums; one row (BLOCK_M 1) adds the
     [BLOCK_N, BLOCK_K] products, reduced once after the loop."""
     if DOT:
@@ -140,21 +194,9 @@ def _accumulate(acc, x, w, scale, DOT: tl.constexpr, UPCAST: tl.constexpr,
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             p = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if SCALED:
-            p = p * scale[None, :]
     else:
         p = w.to(tl.float32) * x.to(tl.float32)
     return acc + p
-
-
-@triton.jit
-def _step(acc, w, scale, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype: tl.constexpr,
-          NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr,
-          UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K block: the input tile through the prologue, times the weight tile w."""
-    x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES, GATED,
-                BLOCK_K)
-    return _accumulate(acc, x, w, scale, DOT, UPCAST, SCALED)
 
 
 @triton.jit
@@ -170,11 +212,12 @@ def _w8_step(acc, ss, w, x_rows, r_rows, nw_ptr, sum_rows, K, k0, k_hi, m_ok, rs
         ks = k0 + tl.arange(0, BLOCK_K)
         x, part = tiles._unscaled_norm_tile(x_rows, r_rows, nw_ptr, sum_rows, ks, ks < k_hi,
                                             m_ok, writes_sum, dtype, HAS_RES)
-        acc = _accumulate(acc, x, w, w, DOT, UPCAST, False)
+        acc = _accumulate(acc, x, w, DOT, UPCAST)
         ss += part
     else:
-        acc = _step(acc, w, w, x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM,
-                    HAS_RES, GATED, DOT, UPCAST, False, BLOCK_K)
+        x = _x_tile(x_rows, r_rows, nw_ptr, K, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
+                    GATED, BLOCK_K)
+        acc = _accumulate(acc, x, w, DOT, UPCAST)
     return acc, ss
 
 
@@ -257,60 +300,64 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w4a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-                  M, N, K, KW, k_per_split, sx, sr, ssn, ssg, szn, szg, eps,
-                  NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, KH, k_per_split,
+                  sx, ssg, szg, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
                   PDL: tl.constexpr):
-    """int4 weight [N, K / 8] int32 (value j of a word at bits 4j, stored as q + 8), fp32 scale
-    and int8 zero point [N, K / GROUP] (strides ssn, ssg and szn, szg): out = sum over groups
-    of (x @ (q - zero).T) * scale, on tensor-core tiles only (BLOCK_M >= 16, a single row
-    padded to 16): per weight, the unpacking costs more than a CUDA-core dot can hide (one row
-    on CUDA cores reached 0.10-0.17 of the bytes floor on an H100, a 16-row tile 0.25-0.35).
-    BLOCK_K divides GROUP, so a tile's columns share one scale per output column. KW = K / 8,
-    the words a row, passed so that Triton sees its alignment (vector loads). x goes through
-    the prologue (_x_tile)."""
+    """int4 weight [N, K / 4] int16 in plane order (kernels/quant.py; stored as q + 8), fp32
+    scale and int8 zero point [N, K / GROUP] group-major (group strides ssg, szg): out = sum
+    over groups of (x @ (q - zero).T) * scale, computed as its transpose [BLOCK_N, BLOCK_M]
+    (the module docstring). BLOCK_K is whole 64-column blocks inside one group, or one block
+    for groups of 16 or 32; KH = K / 4, the halves a row, passed so that Triton sees its
+    alignment (vector loads)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
-    r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
-    s_rows = s_ptr + rn.to(tl.int64) * ssn
-    z_rows = z_ptr + rn.to(tl.int64) * szn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_cols = x_ptr + rm.to(tl.int64)[None, :] * sx
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * KH
+    s_rows = s_ptr + rn
+    z_rows = z_ptr + rn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    terms = (x_cols, s_rows, z_rows, ssg, szg)
     k_start = k_lo
     if PDL:
         pdl.gdc_launch_dependents()
-        codes0, scale0 = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k_lo, k_hi, n_ok, GROUP,
-                                  HAS_ZERO, BLOCK_N, BLOCK_K)
+        first = _halves(w_rows, k_lo, n_ok, BLOCK_K)
         pdl.gdc_wait()
-    rstd = _rstd(x_rows, r_rows, sum_ptr, rm, K, eps, m_ok, _writes_sum(M, BLOCK_M), dtype,
-                 NORM, HAS_RES, BLOCK_M, BLOCK_K)
-    prologue = (x_rows, r_rows, nw_ptr, K)
-    if PDL:
-        acc = _step(acc, codes0, scale0, *prologue, k_lo, k_hi, m_ok, rstd, dtype, NORM,
-                    HAS_RES, GATED, DOT, UPCAST, True, BLOCK_K)
+        acc = _w4_step(acc, first, *terms, k_lo, m_ok, n_ok, dtype, GROUP, HAS_ZERO, ASM,
+                       BLOCK_N, BLOCK_K)
         k_start = k_lo + BLOCK_K
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-        codes, scale = _w4_tile(w_rows, s_rows, z_rows, ssg, szg, k0, k_hi, n_ok, GROUP,
-                                HAS_ZERO, BLOCK_N, BLOCK_K)
-        acc = _step(acc, codes, scale, *prologue, k0, k_hi, m_ok, rstd, dtype, NORM, HAS_RES,
-                    GATED, DOT, UPCAST, True, BLOCK_K)
-    tiles.store_tile(acc, out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+        acc = _w4_step(acc, _halves(w_rows, k0, n_ok, BLOCK_K), *terms, k0, m_ok, n_ok, dtype,
+                       GROUP, HAS_ZERO, ASM, BLOCK_N, BLOCK_K)
+    tiles.store_tile(tl.trans(acc), out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
 
 
-def pick_config(m: int, n: int, k: int, block_k_max: int, int4: bool = False,
+def pick_config(m: int, n: int, k: int, group: int, int4: bool = False,
                 t: QuantLinearTuning = _TUNING) -> tuple[LinearConfig, int]:
-    """(the tile config, the K split) for m rows of an [n, k] weight; block_k at most
-    block_k_max (an int4 group)."""
+    """(the tile config, the K split) for m rows of an [n, k] weight whose scales change every
+    `group` columns (k for fp8)."""
     cfg = t.config_for(m, n, int4)
-    block_k = min(cfg.block_k, block_k_max)
+    block_k = _int4_block_k(cfg.block_k, group) if int4 else min(cfg.block_k, group)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    split = _split_k(programs, t.split_programs, k, block_k)
+    if int4 and m <= t.few_rows_max:
+        split = cfg.split_k
+    else:
+        want = t.int4_many_rows_programs if int4 else t.split_programs
+        split = _split_k(programs, want, k, block_k)
     return LinearConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps,
                         cfg.num_stages), split
+
+
+def _int4_block_k(block_k: int, group: int) -> int:
+    """The deepest int4 tile of at most block_k columns: whole 64-column blocks of the plane
+    order inside one group, or one block for groups of 16 or 32."""
+    if group < PLANE_BLOCK:
+        return PLANE_BLOCK
+    bk = max(block_k, PLANE_BLOCK)
+    while group % bk:
+        bk //= 2
+    return bk
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight, max_rows: int, width: int = 1,
@@ -330,19 +377,22 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
             config: LinearConfig | None, t: QuantLinearTuning,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, summed): the projection of x through the prologue (the RMSNorm of x + residual
-    by norm_weight, or silu(gate) * up when gated), and x + residual (x itself without a
-    residual or a norm)."""
+    """(out, summed): the projection of x through the prologue (fp8 only: the RMSNorm of
+    x + residual by norm_weight, or silu(gate) * up when gated), and x + residual (x itself
+    without a residual or a norm)."""
     m = x.shape[0]
     n, k = weight.shape
-    group = weight.group_size if weight.format == "int4" else k
+    int4 = weight.format == "int4"
+    group = weight.group_size if int4 else k
     if config is None:
-        config, split = pick_config(m, n, k, group, weight.format == "int4", t)
+        config, split = pick_config(m, n, k, group, int4, t)
     else:
         split = config.split_k
-        if weight.format == "int4" and (group % config.block_k or config.block_m == 1):
-            raise ValueError(f"int4 takes tensor-core tiles whose block_k divides the "
-                             f"group_size={group}; got {config}")
+        if int4 and (config.block_m == 1
+                     or _int4_block_k(config.block_k, group) != config.block_k):
+            raise ValueError(f"int4 takes tensor-core tiles of whole {PLANE_BLOCK}-column "
+                             f"blocks inside one group of group_size={group} (one block for "
+                             f"groups of 16 or 32); got {config}")
     bk = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
@@ -351,25 +401,28 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m), split)
     dependent = pdl.enabled(x)
-    r = residual if residual is not None else x
-    prologue = (x, r, norm_weight if norm_weight is not None else x, summed)
-    tiles = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated,
-                 HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 BLOCK_K=bk, DOT=config.block_m > 1, UPCAST=_INTERPRET,
-                 STAGES=config.num_stages, PDL=dependent, num_warps=config.num_warps,
-                 num_stages=config.num_stages, launch_pdl=dependent)
+    tiles = dict(HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 BLOCK_K=bk, STAGES=config.num_stages, PDL=dependent,
+                 num_warps=config.num_warps, num_stages=config.num_stages,
+                 launch_pdl=dependent)
     b = bias if bias is not None else out
-    if weight.format == "fp8":
-        one_pass = t.one_pass_norm and norm_weight is not None and split == 1
-        _w8a16_kernel[grid](*prologue, weight.data, weight.scale, b, out, ws, m, n, k,
-                            k_per_split, x.stride(0), r.stride(0), eps, ONE_PASS=one_pass,
-                            **tiles)
-    else:
+    if int4:
+        if residual is not None or norm_weight is not None or gated:
+            raise ValueError("the int4 kernel takes no prologue: its one row is a 16-row tile")
         z = weight.zero if weight.zero is not None else weight.scale
-        _w4a16_kernel[grid](*prologue, weight.data, weight.scale, z, b, out, ws, m, n, k,
-                            k // 8, k_per_split, x.stride(0), r.stride(0),
-                            *weight.scale.stride(), *z.stride(), eps, GROUP=group,
-                            HAS_ZERO=weight.zero is not None, **tiles)
+        _w4a16_kernel[grid](x, weight.data.view(torch.int16), weight.scale, z, b, out, ws, m,
+                            n, k, k // 4, k_per_split, x.stride(0), weight.scale.stride(1),
+                            z.stride(1), GROUP=group, HAS_ZERO=weight.zero is not None,
+                            ASM=not _INTERPRET, **tiles)
+    else:
+        r = residual if residual is not None else x
+        one_pass = t.one_pass_norm and norm_weight is not None and split == 1
+        _w8a16_kernel[grid](x, r, norm_weight if norm_weight is not None else x, summed,
+                            weight.data, weight.scale, b, out, ws, m, n, k, k_per_split,
+                            x.stride(0), r.stride(0), eps, NORM=norm_weight is not None,
+                            HAS_RES=residual is not None, GATED=gated,
+                            DOT=config.block_m > 1, UPCAST=_INTERPRET, ONE_PASS=one_pass,
+                            **tiles)
     if split > 1:
         sum_splits(ws, out, bias, t.split_sum_block)
     return out, summed
@@ -405,12 +458,12 @@ def takes_w8a8(x: torch.Tensor, weight: QuantizedWeight, t: QuantLinearTuning = 
 
 def _fuses(x: torch.Tensor, weight: QuantizedWeight, config: LinearConfig | None,
            t: QuantLinearTuning) -> bool:
-    """The prologue in the kernel up to t.fuse_max_rows rows (or with a forced config): above,
-    every program re-reading the rows costs more than the separate kernel it saves. Not for
-    int4, whose one row is padded to a 16-row tile: every program would compute the prologue
-    for 16 rows (llama-8b's int4 step at one row took 7.94 ms fused, 4.74 ms unfused, on an
-    H100)."""
-    return config is not None or (x.shape[0] <= t.fuse_max_rows and weight.format == "fp8")
+    """fp8 takes the prologue in the kernel up to t.fuse_max_rows rows (or with a forced
+    config): above, every program re-reading the rows costs more than the separate kernel it
+    saves. int4 never: its one row is a 16-row tile, and every program would compute the
+    prologue for 16 rows (llama-8b's int4 step at one row took 7.94 ms fused, 4.74 ms
+    unfused, on an H100)."""
+    return weight.format == "fp8" and (config is not None or x.shape[0] <= t.fuse_max_rows)
 
 
 def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
@@ -432,7 +485,7 @@ def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
         from .linear_triton import _norm
 
         normed, summed = _norm(x, residual, norm_weight, eps)
-        return linear_quant(normed, weight, bias, t=t), summed
+        return linear_quant(normed, weight, bias, config, t), summed
     return _launch(x, weight, bias, config, t, residual, norm_weight, eps)
 
 
@@ -449,5 +502,5 @@ def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
             or not supported(gate_up, weight, gate_up.shape[0], 2)):
         from .activation_triton import silu_mul
 
-        return linear_quant(silu_mul(gate_up), weight, bias, t=t)
+        return linear_quant(silu_mul(gate_up), weight, bias, config, t)
     return _launch(gate_up, weight, bias, config, t, gated=True)[0]

@@ -5,10 +5,17 @@ Two formats, the ones people deploy on H100s and the ones compressed-tensors che
 
 - "fp8": float8_e4m3fn [N, K] with one fp32 scale per output channel (w ~ q * scale[n]); a
   per-tensor scale from a checkpoint is broadcast to every channel, so kernels see one layout.
-- "int4": [N, K / 8] int32, eight 4-bit values a word (value j of a word at bits 4j..4j+3,
-  stored as q + 8 so a nibble is unsigned: compressed-tensors' pack-quantized layout, so a
-  checkpoint loads without repacking), groups of `group_size` along K with one fp32 scale each
-  (w ~ (q - zero) * scale), and for the asymmetric kind a signed int8 zero point per group.
+- "int4": [N, K / 8] int32, eight 4-bit values a word, each stored as q + 8 so a nibble is
+  unsigned, in plane order (pack_planes): groups of `group_size` along K with one fp32 scale
+  each (w ~ (q - zero) * scale), and for the asymmetric kind a signed int8 zero point per
+  group. K is a whole number of 64-column blocks, and a group is 16 or 32 columns or whole
+  blocks.
+
+Plane order: read as int16, the 16 halves of a 64-column block hold at nibble j (bits 4j) the
+codes of columns 16j..16j+15 of the block, one column a half. So nibble j of a tile's halves is
+a [N, 16-column] plane that the W4A16 kernel unpacks two codes to a 32-bit register with no
+data movement (kernels/linear_quant_triton.py). compressed-tensors' pack-quantized checkpoints
+keep the eight values of a word in K order (pack_int4); they are repacked at load.
 
 A QuantizedWeight stands where a weight tensor stands (LayerWeights, the projection ops): it
 answers shape, numel(), dim(), device, dtype (the activation dtype it dequantizes to) and
@@ -23,6 +30,7 @@ FORMATS = ("fp8", "int4")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT4_MIN, INT4_MAX = -8, 7
 PACK = 8  # int4 values per int32 word
+PLANE_BLOCK = 64  # K columns a block of int4's plane order spans (four planes of 16)
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -47,9 +55,12 @@ class QuantizedWeight:
             return
         k = self.data.shape[1] * PACK
         g = self.group_size
-        if self.data.dtype != torch.int32 or g < 1 or k % g:
+        if (self.data.dtype != torch.int32 or k % PLANE_BLOCK
+                or not (g in (16, 32) or (g > 0 and g % PLANE_BLOCK == 0)) or k % g):
             raise ValueError(f"int4 weight: data {self.data.dtype} {tuple(self.data.shape)}, "
-                             f"group_size={g}: want int32 [N, K / 8], groups dividing K")
+                             f"group_size={g}: want int32 [N, K / 8] with K a multiple of "
+                             f"{PLANE_BLOCK}, and a group_size of 16, 32 or a multiple of "
+                             f"{PLANE_BLOCK} dividing K")
         if self.scale.shape != (n, k // g) or (
                 self.zero is not None and self.zero.shape != (n, k // g)):
             raise ValueError(f"int4 weight: scale {tuple(self.scale.shape)}, zero "
@@ -108,6 +119,9 @@ class QuantizedWeight:
         if start % g or stop % g:
             raise ValueError(f"int4 weight of group_size={g}: a slice of input columns "
                              f"{start}..{stop} would split a group between two ranks")
+        if start % PLANE_BLOCK or stop % PLANE_BLOCK:
+            raise ValueError(f"int4 weight: a slice of input columns {start}..{stop} would "
+                             f"split a {PLANE_BLOCK}-column block of its plane order")
         return replace(self, data=self.data[:, start // PACK:stop // PACK].contiguous(),
                        scale=self.scale[:, start // g:stop // g].contiguous(),
                        zero=None if self.zero is None
@@ -149,9 +163,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     Asymmetric: scale = (max - min) / 15 with min <= 0 <= max, zero = clamp(-8 - round(min /
     scale)), q = clamp(round(w / scale) + zero)."""
     n, k = w.shape
-    if group_size < 1 or k % group_size or group_size % PACK:
-        raise ValueError(f"group_size={group_size} must be a multiple of {PACK} dividing the "
-                         f"input dim {k}")
+    if not (group_size in (16, 32) or group_size % PLANE_BLOCK == 0) or k % group_size or (
+            k % PLANE_BLOCK):
+        raise ValueError(f"group_size={group_size} must be 16, 32 or a multiple of "
+                         f"{PLANE_BLOCK}, dividing the input dim {k} (a multiple of "
+                         f"{PLANE_BLOCK})")
     g = w.float().reshape(n, k // group_size, group_size)
     if symmetric:
         scale = g.abs().amax(dim=2) / ((INT4_MAX - INT4_MIN) / 2)
@@ -165,12 +181,13 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         zero = (INT4_MIN - torch.round(lo / scale)).clamp(INT4_MIN, INT4_MAX)
         q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(INT4_MIN, INT4_MAX)
         zero = zero.to(torch.int8)
-    return QuantizedWeight("int4", pack_int4(q.reshape(n, k).to(torch.int8)), scale, zero,
+    return QuantizedWeight("int4", pack_planes(q.reshape(n, k).to(torch.int8)), scale, zero,
                            group_size, out_dtype=out_dtype or w.dtype)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes in -8..7, [N, K] -> [N, K / 8] int32 (value j of a word at bits 4j)."""
+    """int8 codes in -8..7, [N, K] -> [N, K / 8] int32, value j of a word at bits 4j (K order:
+    compressed-tensors' pack-quantized layout)."""
     n, k = q.shape
     u = (q.to(torch.int64) + 8).reshape(n, k // PACK, PACK)
     shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int64, device=q.device)
@@ -186,12 +203,28 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (u - 8).reshape(packed.shape[0], -1).to(torch.int8)
 
 
+def pack_planes(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes in -8..7, [N, K] -> [N, K / 8] int32 in plane order (the module docstring):
+    K order within each 64-column block (plane j, column e) becomes (e, j)."""
+    n, k = q.shape
+    b = PLANE_BLOCK
+    return pack_int4(q.reshape(n, k // b, 4, b // 4).transpose(2, 3).reshape(n, k))
+
+
+def unpack_planes(packed: torch.Tensor) -> torch.Tensor:
+    """pack_planes undone: [N, K / 8] int32 -> [N, K] int8 codes."""
+    q = unpack_int4(packed)
+    n, k = q.shape
+    b = PLANE_BLOCK
+    return q.reshape(n, k // b, b // 4, 4).transpose(2, 3).reshape(n, k)
+
+
 def dequantize(w: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The dense [N, K] weight in `dtype` (default the activation dtype), computed in fp32."""
     dtype = dtype or w.out_dtype
     if w.format == "fp8":
         return (w.data.float() * w.scale[:, None]).to(dtype)
-    q = unpack_int4(w.data).float()
+    q = unpack_planes(w.data).float()
     n, k = q.shape
     q = q.reshape(n, k // w.group_size, w.group_size)
     if w.zero is not None:

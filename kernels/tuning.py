@@ -141,20 +141,22 @@ class QuantLinearTuning:
     few_rows: LinearConfig = LinearConfig(16, 32, 256)
     many_rows: LinearConfig = LinearConfig(64, 32, 128)
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
-    # int4: tensor-core tiles only, one row padded to the few-rows tile; block_k is cut to the
-    # group. tools/lab/tune_quant_linear.py on an H100 put every projection's best at 64
-    # columns and 4 warps (wider, deeper-pipelined or 8-warp tiles were no faster), at
-    # 0.25-0.35 of the bytes floor up to 16 rows and 0.17-0.24 at 64.
-    int4_few_rows: LinearConfig = LinearConfig(16, 64, 128)
-    int4_many_rows: LinearConfig = LinearConfig(64, 64, 128)
-    int4_many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
+    # int4: tensor-core tiles only (one row padded to 16), block_k cut to the group; K split
+    # in split_k up to few_rows_max rows, above until int4_many_rows_programs programs run.
+    # On an H100 (tools/lab/tune_quant_linear.py --formats int4), llama-8b's projections ran
+    # best or within 10% of it so: one row in 64 columns and 4 splits (gate_up took 42 us in
+    # one split, 33 in four), 2-16 rows in 128 columns and 2 splits, more rows in 64 x 128
+    # tiles (gate_up unsplit, the rest in 4).
+    int4_one_row: LinearConfig = LinearConfig(16, 64, 128, split_k=4)
+    int4_few_rows: LinearConfig = LinearConfig(16, 128, 128, split_k=2)
+    int4_many_rows: LinearConfig = LinearConfig(64, 128, 128)
+    int4_many_rows_programs: int = 128
 
     def config_for(self, m: int, n: int, int4: bool) -> LinearConfig:
         """The tile for m rows of a weight with n output columns."""
-        prefix = "int4_" if int4 else ""
-        kind = ("one_row" if m == 1 and not int4 else "few_rows" if m <= self.few_rows_max
-                else "many_rows_wide" if n >= self.wide_n else "many_rows")
-        return getattr(self, prefix + kind)
+        kind = ("one_row" if m == 1 else "few_rows" if m <= self.few_rows_max
+                else "many_rows_wide" if n >= self.wide_n and not int4 else "many_rows")
+        return getattr(self, ("int4_" if int4 else "") + kind)
 
 
 @dataclass(frozen=True)

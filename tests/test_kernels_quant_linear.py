@@ -23,6 +23,12 @@ def _quantize(w, fmt):
     return quantize_int4(w, 32 if fmt == "int4_g32" else 128, symmetric=fmt != "int4_asym")
 
 
+def _block_k(block_k, qw, k):
+    """block_k cut to the group; int4 tiles are whole 64-column blocks (one for groups < 64)."""
+    block_k = min(block_k, qw.group_size or k)
+    return max(block_k, 64) if qw.format == "int4" else block_k
+
+
 def _ref(x, qw, b=None):
     """fp32 sums over the dequantized weight, rounded once at the end."""
     return linear_quant_ref(x.float(), qw, None if b is None else b.float()).to(x.dtype)
@@ -52,9 +58,8 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
         pytest.skip("block_m 1 is fp8's one-row kernel")
     x = _randn((m, k + 8), dtype, 1)[:, 4:k + 4]  # rows strided wider than K
     qw = _quantize(_randn((n, k), torch.float32, 2, k ** -0.5), fmt)
-    group = qw.group_size or k
-    cfg = (lq.LinearConfig(config[0], config[1], min(config[2], group), split_k=config[3])
-           if config else None)
+    cfg = (lq.LinearConfig(config[0], config[1], _block_k(config[2], qw, k),
+                           split_k=config[3]) if config else None)
     out = lq.linear_quant(x, qw, config=cfg)
     assert not torch.equal(out.float(), torch.zeros_like(out.float()))
     _check(out, _ref(x, qw) if cfg else _want(x, qw), dtype, "reduction")
@@ -71,20 +76,21 @@ def test_linear_quant_bias(fmt, split):
     x = _randn((m, k), torch.bfloat16, 3)
     qw = _quantize(_randn((n, k), torch.float32, 4, k ** -0.5), fmt)
     b = _randn((n,), torch.bfloat16, 5)
-    out = lq.linear_quant(x, qw, b, config=lq.LinearConfig(16, 16, 32, split_k=split))
+    out = lq.linear_quant(x, qw, b, config=lq.LinearConfig(16, 16, 64, split_k=split))
     _check(out, _ref(x, qw, b), torch.bfloat16, "reduction")
 
 
 @kernel_test
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(16, 16, 64), (1, 8, 32)])
-def test_int4_tile_across_a_group_or_of_one_row_is_a_value_error(config):
-    """int4 takes tensor-core tiles that stay inside one group."""
+@pytest.mark.parametrize("group,config", [(32, (16, 16, 32)), (64, (16, 16, 128)),
+                                          (64, (1, 8, 64))])
+def test_int4_tile_across_a_group_or_of_one_row_is_a_value_error(group, config):
+    """int4 takes tensor-core tiles of whole 64-column blocks that stay inside one group."""
     from graphexec.kernels import linear_quant_triton as lq
 
-    qw = quantize_int4(torch.randn(16, 128, device=DEV), 32)
+    qw = quantize_int4(torch.randn(16, 128, device=DEV), group)
     x = torch.randn(1, 128, device=DEV).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="group_size=32"):
+    with pytest.raises(ValueError, match=f"group_size={group}"):
         lq.linear_quant(x, qw, config=lq.LinearConfig(*config))
 
 
@@ -105,7 +111,7 @@ PROLOGUE_CASES = big([(1, 4096, None), (1, 14336, (1, 8, 128, 4)), (16, 4096, (1
 
 
 def _prologue_config(config, qw, k):
-    """The forced tile, block_k cut to the int4 group; int4 pads one row to a 16 x 16 tile."""
+    """The forced tile (_block_k); int4 pads one row to a 16 x 16 tile."""
     from graphexec.kernels import linear_quant_triton as lq
 
     if config is None:
@@ -113,7 +119,7 @@ def _prologue_config(config, qw, k):
     bm, bn, bk, split = config
     if qw.format != "fp8":
         bm, bn = max(bm, 16), max(bn, 16)
-    return lq.LinearConfig(bm, bn, min(bk, qw.group_size or k), split_k=split)
+    return lq.LinearConfig(bm, bn, _block_k(bk, qw, k), split_k=split)
 
 
 @kernel_test

@@ -78,3 +78,27 @@ def test_scaled_multiplies_output_channels_through_their_scales():
     f = torch.tensor([1.0, 2.0, 0.5, 4.0, 0.25, 3.0])
     for qw in (quantize_fp8(w), quantize_int4(w, 64, False)):
         torch.testing.assert_close(dequantize(qw.scaled(f)), dequantize(qw) * f[:, None])
+
+
+def test_int4_plane_order():
+    """Half e of each 64-column block, read as int16, holds at bits 4j the code of column
+    16j + e of the block (stored as q + 8); the kernels and the dense copy rely on it."""
+    from graphexec.kernels.quant import pack_planes, unpack_planes
+
+    q = torch.randint(-8, 8, (3, 192), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    halves = pack_planes(q).view(torch.int16).to(torch.int32) & 0xFFFF
+    for block in range(3):
+        for e in range(16):
+            for j in range(4):
+                got = (halves[:, block * 16 + e] >> (4 * j)) & 0xF
+                assert torch.equal(got - 8, q[:, block * 64 + 16 * j + e].to(torch.int32))
+    assert torch.equal(unpack_planes(pack_planes(q)), q)
+
+
+def test_int4_needs_whole_plane_blocks():
+    with pytest.raises(ValueError, match="group_size=48"):
+        quantize_int4(torch.randn(4, 192), 48)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_int4(torch.randn(4, 96), 32)
+    with pytest.raises(ValueError, match="64-column block"):
+        quantize_int4(torch.randn(4, 256), 32).cols(0, 96)

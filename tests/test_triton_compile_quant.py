@@ -16,7 +16,9 @@ triton = pytest.importorskip("triton")
 
 def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch):
     """W8A16 and W4A16 (kernels/linear_quant_triton.py) at decode row counts: the stored
-    weight is read with vector loads, never one byte or word an element."""
+    weight is read with vector loads, never one byte or word an element. int4 unpacks two
+    codes a register (lop3, then an fma in bf16x2 or f16x2), and its tiles of 64+ columns
+    feed Hopper's wgmma the unpacked weight from registers."""
     from graphexec.kernels import linear_quant_triton as lq
     from graphexec.kernels.quant import quantize_fp8, quantize_int4
 
@@ -45,7 +47,14 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
                                   ptx))
             consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
             assert fast > 0, (name, sorted(consts.items()))
-            assert not consts["UPCAST"]
+            if name == "_w8a16_kernel":
+                assert not consts["UPCAST"]
+                continue
+            assert consts["ASM"] and "lop3.b32" in ptx
+            assert re.search(r"fma\.rn\.(bf16x2|f16x2)", ptx)
+            if consts["BLOCK_N"] >= 64:  # wgmma's A operand in registers: {%r..}, not a
+                # shared-memory descriptor
+                assert re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{%r", ptx), consts
 
 
 def test_w8a8_compiles_to_fp8_tensor_cores(compiled, monkeypatch):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.quant import PACK, QuantizedWeight, unpack_int4
+from ..kernels.quant import PACK, PLANE_BLOCK, QuantizedWeight, pack_planes, unpack_int4
 
 FORMATS = {"float-quantized": ("float", 8, ("channel", "tensor")),
            "pack-quantized": ("int", 4, ("group", "channel"))}
@@ -71,10 +71,11 @@ def _group_scheme(path: str, name: str, group: dict, fmt) -> CompressedScheme:
         raise ValueError(f"model={path!r}: config_groups.{name}.weights: asymmetric fp8 "
                          "(symmetric=false) is not supported")
     group_size = w.get("group_size") if got[2] == "group" else None
-    if got[2] == "group" and (not isinstance(group_size, int) or group_size < PACK
-                              or group_size % PACK):
+    if got[2] == "group" and not (isinstance(group_size, int) and group_size > 0 and (
+            group_size in (16, 32) or group_size % PLANE_BLOCK == 0)):
         raise ValueError(f"model={path!r}: config_groups.{name}.weights.group_size="
-                         f"{group_size!r} must be a positive multiple of {PACK}")
+                         f"{group_size!r} must be 16, 32 or a positive multiple of "
+                         f"{PLANE_BLOCK}")
     return CompressedScheme(fmt, got[2], group_size, symmetric)
 
 
@@ -139,11 +140,12 @@ class CompressedSource:
         if stored != [n, k]:
             raise ValueError(f"model={self.base.path!r}: tensor {prefix + 'weight_shape'!r} "
                              f"says {stored}, the config implies {[n, k]}")
-        data = self._raw(prefix + "weight_packed", (n, k // PACK), (torch.int32,))
+        packed = self._raw(prefix + "weight_packed", (n, k // PACK), (torch.int32,))
+        data = pack_planes(unpack_int4(packed))  # K order to the kernels' plane order
         scale = self._scale(prefix + "weight_scale", (n, k // g))
         zero = None
         if not self.scheme.symmetric:  # eight zero points a word, along the output dim
-            packed = self._raw(prefix + "weight_zero_point", (n // PACK, k // g),
-                               (torch.int32,))
-            zero = unpack_int4(packed.t().contiguous()).t().contiguous()
+            zeros = self._raw(prefix + "weight_zero_point", (n // PACK, k // g),
+                              (torch.int32,))
+            zero = unpack_int4(zeros.t().contiguous()).t().contiguous()
         return QuantizedWeight("int4", data, scale, zero, g, out_dtype=self.dtype)

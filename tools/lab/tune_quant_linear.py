@@ -44,17 +44,14 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
             if not (int4 and bk > 128):
                 yield LinearConfig(bm, bn, bk, split, num_warps=w, num_stages=st)
 
+    if int4:  # whole 64-column blocks, at most a group (128) deep
+        bms = [16] if m <= 16 else [32, 64]
+        return list(grid(bms, [64, 128], [64, 128], [1, 2, 4], [3, 4], [4]))
     if m == 1:
-        if int4:
-            return list(grid([16], [64, 128], [128], [1, 2, 4, 8], [3], [4]))
         return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
     if m <= 16:
-        if int4:
-            return list(grid([16], [64, 128], [128], [1, 2, 4, 8], [3], [4]))
         return list(grid([16], [32, 64, 128], [128, 256], [1, 2, 4], [3, 4], [4]))
-    if int4:
-        return list(grid([64], [64, 128], [128], [1, 2, 4], [3, 4], [4, 8]))
     return list(grid([64], [32, 64, 128], [128, 256], [1, 2], [3, 4], [4, 8]))
 
 
