@@ -340,10 +340,10 @@ def pick_config(m: int, n: int, k: int, group: int, int4: bool = False,
     cfg = t.config_for(m, n, int4)
     block_k = _int4_block_k(cfg.block_k, group) if int4 else min(cfg.block_k, group)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    if int4 and m <= t.few_rows_max:
+    if int4 and m == 1:
         split = cfg.split_k
     else:
-        want = t.int4_many_rows_programs if int4 else t.split_programs
+        want = t.int4_many_rows_programs if int4 and m > t.few_rows_max else t.split_programs
         split = _split_k(programs, want, k, block_k)
     return LinearConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps,
                         cfg.num_stages), split

@@ -141,14 +141,15 @@ class QuantLinearTuning:
     few_rows: LinearConfig = LinearConfig(16, 32, 256)
     many_rows: LinearConfig = LinearConfig(64, 32, 128)
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
-    # int4: tensor-core tiles only (one row padded to 16), block_k cut to the group; K split
-    # in split_k up to few_rows_max rows, above until int4_many_rows_programs programs run.
-    # On an H100 (tools/lab/tune_quant_linear.py --formats int4), llama-8b's projections ran
-    # best or within 10% of it so: one row in 64 columns and 4 splits (gate_up took 42 us in
-    # one split, 33 in four), 2-16 rows in 128 columns and 2 splits, more rows in 64 x 128
-    # tiles (gate_up unsplit, the rest in 4).
+    # int4: tensor-core tiles only (one row padded to 16), block_k cut to the group. One row
+    # splits K in int4_one_row.split_k, 2-16 rows until split_programs programs run, more
+    # until int4_many_rows_programs. On an H100 (tools/lab/tune_quant_linear.py --formats
+    # int4, then the decode step) llama-8b's int4 step took 3.84 ms at one row with 264
+    # programs and 3.18 with four splits (gate_up: 448 programs unsplit); 5.66 ms at 64 rows
+    # with 132 programs and 6.69 with 264; at 16 rows a fixed two splits took 5.39 ms
+    # against 3.74 with 264 programs.
     int4_one_row: LinearConfig = LinearConfig(16, 64, 128, split_k=4)
-    int4_few_rows: LinearConfig = LinearConfig(16, 128, 128, split_k=2)
+    int4_few_rows: LinearConfig = LinearConfig(16, 128, 128)
     int4_many_rows: LinearConfig = LinearConfig(64, 128, 128)
     int4_many_rows_programs: int = 128
 
