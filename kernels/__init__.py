@@ -97,6 +97,26 @@ class Pushed:
         return self.x.shape
 
 
+@dataclass
+class Prenormed:
+    """The residual stream h ([rows, hidden], a projection's output plus the residual) with the
+    next RMSNorm half done by that projection's epilogue (NORM_OUT): g = h * norm_weight,
+    rounded, and each row's sum of squares in per-tile parts, ss [tiles, rows] in fp32. The
+    projection after the norm takes g as its input and scales its dot products by 1 / rms(h)
+    (ROW_SCALE), so no norm kernel runs between the two. The rounding differs from
+    kernels/rmsnorm.py's (h * norm weight rounded once, 1 / rms applied to the fp32 sums):
+    within the dtype's reduction tolerance, not bitwise."""
+
+    h: torch.Tensor
+    g: torch.Tensor
+    ss: torch.Tensor
+    norm_weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.h.shape
+
+
 REFERENCE_OPS = Ops(
     name="reference",
     rms_norm=rmsnorm.rms_norm_ref,

@@ -10,9 +10,10 @@ import triton.language as tl
 
 from . import attention_tiles_triton as tiles
 from . import pdl
-from .attention_merge_triton import _merge_splits, _split_counters, _store_normalized
+from .attention_merge_triton import _merge_splits, _store_normalized
 from .attention_tiles_triton import LOG2E, attend_tile, ieee_dot, load_kv_tile
 from .norm_rope_triton import rotate_pair
+from .tickets import ticket_counters
 from .tuning import DEFAULT, AttentionTuning
 from .write_kv_triton import _cache_ok
 
@@ -312,7 +313,7 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         po = tiles._new((b, hq, num_splits, block_d), torch.float32, q.device)
         pm = tiles._new((b, hq, num_splits), torch.float32, q.device)
         pl = tiles._new((b, hq, num_splits), torch.float32, q.device)
-        counters = _split_counters(q.device, b * hk)
+        counters = ticket_counters(q.device, b * hk)
     block_gr = triton.next_power_of_2(g)
     merge_splits = max(1, min(triton.next_power_of_2(num_splits),
                               tuning.merge_elements // (block_gr * block_d)))

@@ -1,10 +1,9 @@
 """Merging the splits of flash-decoding (kernels/attention_decode_triton.py): a row's context is cut
 into splits whose partial results (running max, sum, accumulator) are combined here by the
-split kernel's last program (an atomic ticket per row and KV head, counters below). Same
+split kernel's last program (an atomic ticket per row and KV head, kernels/tickets.py). Same
 result as the reference's single softmax over the row (kernels/attention.py)."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -51,28 +50,3 @@ def _merge_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, b64, kh64, G, D, NUM_SPLITS, 
     o = tl.where(total[:, None] > 0, o / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b64 * so0 + heads[:, None] * so1 + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (d < D)[None, :])
-
-
-# Process-wide state, not settings: captured graphs hold these buffers' addresses for as long as
-# the process lives, whichever op set or engine captured them, so no object owns them.
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The ticket counters of the split merge, one per (row, KV head): zero between launches
-    (the last program of each row resets its own). One buffer per device, kept for the
-    process, so captured graphs keep pointing at live, zeroed memory. Launches sharing it must
-    not run concurrently: the engine issues everything on one stream at a time (graph warm-up
-    on a side stream is joined before capture), and a programmatic dependent waits for the
-    launch before it ends before touching memory."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    key = (device.type, index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OUTGROWN.append(buf)  # graphs captured earlier still point at it: keep it alive
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf

@@ -5,13 +5,13 @@ the producing and the consuming projection (Prenormed). References: kernels/line
 kernels/activation.py, kernels/rmsnorm.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from . import Pushed
+from . import Prenormed, Pushed
 from .activation_triton import silu_mul
 from .all_reduce_triton import Push
 from .gather_triton import Landing
@@ -20,26 +20,6 @@ from .norm_rope_triton import rms_norm
 from .tuning import DEFAULT, LinearTuning
 
 _TUNING = DEFAULT.linear  # what a caller that passes no table gets
-
-
-@dataclass
-class Prenormed:
-    """The residual stream h ([rows, hidden], a projection's output plus the residual) with the
-    next RMSNorm half done by that projection's epilogue (NORM_OUT): g = h * norm_weight,
-    rounded, and each row's sum of squares in per-tile parts, ss [tiles, rows] in fp32. The
-    projection after the norm takes g as its input and scales its dot products by 1 / rms(h)
-    (ROW_SCALE), so no norm kernel runs between the two. The rounding differs from
-    kernels/rmsnorm.py's (h * norm weight rounded once, 1 / rms applied to the fp32 sums):
-    within the dtype's reduction tolerance, not bitwise."""
-
-    h: torch.Tensor
-    g: torch.Tensor
-    ss: torch.Tensor
-    norm_weight: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.h.shape
 
 
 def linear_silu(x: torch.Tensor, gate_up: torch.Tensor, config: LinearConfig | None = None,

@@ -20,8 +20,10 @@ operand from registers, and the rows, padded to 16, are its narrow side. Two cod
 or 1024.0 (fp16), whose ulp is 1, and one fma that takes 136 + zero away, all exact
 (_plane). The group's scale multiplies each tile's fp32 partial sums.
 
-When the columns give too few programs, K is split and linear_triton's partial-sum kernel adds
-the fp32 partials in split order (deterministic).
+When the columns give too few programs, K is split; the last program of each output tile to
+finish adds the fp32 partials in split order (deterministic) and runs the epilogue
+(kernels/quant_epilogue_triton.py): the bias, or the residual add that may begin the next
+norm.
 
 fp8 weights from QuantLinearTuning.fp8_scaled_mm_min_rows rows take W8A8 instead
 (takes_w8a8): the norm or activation kernel quantizes the rows, kernels/linear_w8a8_triton.py
@@ -38,10 +40,12 @@ import triton.language as tl
 
 from . import linear_fp8_rows, quant_rows_triton
 from . import linear_tiles_triton as tiles
-from . import pdl
+from . import Prenormed, pdl
+from . import quant_epilogue_triton as epi
 from .linear_w8a8_triton import matmul_rows
 from .quant_rows_triton import quantize_rows
-from .linear_triton import _split_k, sum_splits
+from .linear_triton import _split_k
+from .tickets import ticket_counters
 from .dequant_triton import dequantize
 from .linear_quant import linear_quant_ref
 from .quant import PLANE_BLOCK, QuantizedWeight
@@ -255,14 +259,19 @@ def _tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 # fetches its first weight tile (weights are never written during decode), and only then waits
 # for the kernel before it, whose output x is.
 @triton.jit(do_not_specialize=["M"])
-def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K,
-                  k_per_split, sx, sr, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  res_ptr, g_ptr, ss_out_ptr, ss_in_ptr, M, N, K, k_per_split, sx, sr, sres,
+                  n_ss, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
+                  ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT: tl.constexpr,
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
                   ONE_PASS: tl.constexpr):
     """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale, x through the
-    prologue (_x_tile, or _w8_step's one-pass norm)."""
+    prologue (_x_tile, or _w8_step's one-pass norm). The epilogue:
+    quant_epilogue_triton.finish_tile, as the int4 kernel's (its residual res, the next
+    norm's weight nw)."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
@@ -286,6 +295,8 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
         acc, ss = _w8_step(acc, ss, w_first, *prologue, k_lo, k_hi, m_ok, rstd, writes_sum,
                            dtype, NORM, HAS_RES, GATED, DOT, UPCAST, ONE_PASS, BLOCK_K)
         k_start = k_lo + BLOCK_K
+    if ROW_SCALE:
+        ss_parts = epi.load_row_ss(ss_in_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
         acc, ss = _w8_step(acc, ss, w, *prologue, k0, k_hi, m_ok, rstd, writes_sum, dtype,
@@ -294,23 +305,30 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
         acc = tl.sum(acc, axis=1)[None, :]
     if ONE_PASS:
         acc = acc * (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
+    if ROW_SCALE:
+        acc = acc * epi.row_rstd(ss_parts, K, eps)[:, None]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    tiles.store_tile(acc * scale[None, :], out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N,
-                     HAS_BIAS)
+    epi.finish_tile(acc * scale[None, :], out_ptr, ws_ptr, cnt_ptr, b_ptr, res_ptr, nw_ptr,
+                    g_ptr, ss_out_ptr, rm, rn, m_ok, n_ok,
+                    tl.program_id(0) // tl.cdiv(M, BLOCK_M), M, N, sres, HAS_BIAS, RES_OUT,
+                    NORM_OUT, SPLIT)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, KH, k_per_split,
-                  sx, ssg, szg, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                  PDL: tl.constexpr):
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r_ptr, nw_ptr,
+                  g_ptr, ss_out_ptr, ss_in_ptr, M, N, K, KH, k_per_split, sx, ssg, szg, sr,
+                  n_ss, eps, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
+                  ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ASM: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """int4 weight [N, K / 4] int16 in plane order (kernels/quant.py; stored as q + 8), fp32
     scale and int8 zero point [N, K / GROUP] group-major (group strides ssg, szg): out = sum
     over groups of (x @ (q - zero).T) * scale, computed as its transpose [BLOCK_N, BLOCK_M]
     (the module docstring). BLOCK_K is whole 64-column blocks inside one group, or one block
     for groups of 16 or 32; KH = K / 4, the halves a row, passed so that Triton sees its
-    alignment (vector loads)."""
+    alignment (vector loads). The epilogue: quant_epilogue_triton.finish_tile (ROW_SCALE: x is
+    a Prenormed's g, its rows' 1 / rms from ss_in [n_ss, M])."""
     rm, rn, m_ok, n_ok, k_lo, k_hi = _tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
     x_cols = x_ptr + rm.to(tl.int64)[None, :] * sx
@@ -327,10 +345,16 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, K
         acc = _w4_step(acc, first, *terms, k_lo, m_ok, n_ok, dtype, GROUP, HAS_ZERO, ASM,
                        BLOCK_N, BLOCK_K)
         k_start = k_lo + BLOCK_K
+    if ROW_SCALE:
+        ss_parts = epi.load_row_ss(ss_in_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         acc = _w4_step(acc, _halves(w_rows, k0, n_ok, BLOCK_K), *terms, k0, m_ok, n_ok, dtype,
                        GROUP, HAS_ZERO, ASM, BLOCK_N, BLOCK_K)
-    tiles.store_tile(tl.trans(acc), out_ptr, ws_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+    if ROW_SCALE:
+        acc = acc * epi.row_rstd(ss_parts, K, eps)[None, :]
+    epi.finish_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, b_ptr, r_ptr, nw_ptr, g_ptr,
+                    ss_out_ptr, rm, rn, m_ok, n_ok, tl.program_id(0) // tl.cdiv(M, BLOCK_M), M,
+                    N, sr, HAS_BIAS, RES_OUT, NORM_OUT, SPLIT)
 
 
 def pick_config(m: int, n: int, k: int, group: int, int4: bool = False,
@@ -376,14 +400,26 @@ def supported(x: torch.Tensor, weight: QuantizedWeight, max_rows: int, width: in
 def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
             config: LinearConfig | None, t: QuantLinearTuning,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            eps: float = 0.0, gated: bool = False, res_out: torch.Tensor | None = None,
+            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, ...]:
     """(out, summed): the projection of x through the prologue (fp8 only: the RMSNorm of
     x + residual by norm_weight, or silu(gate) * up when gated), and x + residual (x itself
-    without a residual or a norm)."""
+    without a residual or a norm). res_out: a residual added to the output; norm_out: with
+    res_out, the next norm's weight, and then (out, summed, g, ss) come back
+    (linear_fused_triton.Prenormed); row_scale: a Prenormed's ss, x being its g (eps: the
+    norm's)."""
     m = x.shape[0]
     n, k = weight.shape
     int4 = weight.format == "int4"
     group = weight.group_size if int4 else k
+    normed = residual is not None or norm_weight is not None
+    if (normed or gated) and row_scale is not None or normed and res_out is not None:
+        raise ValueError("a norm in the prologue takes no row scale or residual epilogue, "
+                         "and silu * mul no row scale")
+    if norm_out is not None and res_out is None or res_out is not None and bias is not None:
+        raise ValueError("the next norm's share follows a residual epilogue, which follows a "
+                         "projection without bias")
     if config is None:
         config, split = pick_config(m, n, k, group, int4, t)
     else:
@@ -400,31 +436,45 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     summed = _new((m, k), x.dtype, x.device) if residual is not None else x
     ws = _new((split, m, n), torch.float32, x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m), split)
-    dependent = pdl.enabled(x)
-    tiles = dict(HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 BLOCK_K=bk, STAGES=config.num_stages, PDL=dependent,
-                 num_warps=config.num_warps, num_stages=config.num_stages,
-                 launch_pdl=dependent)
+    counters = ticket_counters(x.device, grid[0]) if split > 1 else out
+    g = ss = None
+    if norm_out is not None:
+        g = _new((m, n), x.dtype, x.device)
+        ss = _new((triton.cdiv(n, config.block_n), m), torch.float32, x.device)
+    n_ss = 0 if row_scale is None else row_scale.shape[0]
+    epilogue = (res_out if res_out is not None else out, g if g is not None else out,
+                ss if ss is not None else out, row_scale if row_scale is not None else out)
+    dependent = pdl.enabled(x) and (config.block_m == 1 or t.pdl_tensor_cores)
+    meta = dict(HAS_BIAS=bias is not None, RES_OUT=res_out is not None,
+                NORM_OUT=norm_out is not None, ROW_SCALE=row_scale is not None, SPLIT=split,
+                BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), BLOCK_M=config.block_m,
+                BLOCK_N=config.block_n, BLOCK_K=bk, STAGES=config.num_stages, PDL=dependent,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                launch_pdl=dependent)
     b = bias if bias is not None else out
+    sres = epilogue[0].stride(0)
     if int4:
-        if residual is not None or norm_weight is not None or gated:
+        if normed or gated:
             raise ValueError("the int4 kernel takes no prologue: its one row is a 16-row tile")
         z = weight.zero if weight.zero is not None else weight.scale
-        _w4a16_kernel[grid](x, weight.data.view(torch.int16), weight.scale, z, b, out, ws, m,
-                            n, k, k // 4, k_per_split, x.stride(0), weight.scale.stride(1),
-                            z.stride(1), GROUP=group, HAS_ZERO=weight.zero is not None,
-                            ASM=not _INTERPRET, **tiles)
+        _w4a16_kernel[grid](x, weight.data.view(torch.int16), weight.scale, z, b, out, ws,
+                            counters, epilogue[0],
+                            norm_out if norm_out is not None else x, *epilogue[1:], m, n, k,
+                            k // 4, k_per_split, x.stride(0), weight.scale.stride(1),
+                            z.stride(1), sres, n_ss, eps, GROUP=group,
+                            HAS_ZERO=weight.zero is not None, ASM=not _INTERPRET, **meta)
     else:
         r = residual if residual is not None else x
+        nw = next(v for v in (norm_weight, norm_out, x) if v is not None)
         one_pass = t.one_pass_norm and norm_weight is not None and split == 1
-        _w8a16_kernel[grid](x, r, norm_weight if norm_weight is not None else x, summed,
-                            weight.data, weight.scale, b, out, ws, m, n, k, k_per_split,
-                            x.stride(0), r.stride(0), eps, NORM=norm_weight is not None,
+        _w8a16_kernel[grid](x, r, nw, summed, weight.data, weight.scale, b, out, ws, counters,
+                            *epilogue, m, n, k, k_per_split, x.stride(0), r.stride(0), sres,
+                            n_ss, eps, NORM=norm_weight is not None,
                             HAS_RES=residual is not None, GATED=gated,
                             DOT=config.block_m > 1, UPCAST=_INTERPRET, ONE_PASS=one_pass,
-                            **tiles)
-    if split > 1:
-        sum_splits(ws, out, bias, t.split_sum_block)
+                            **meta)
+    if norm_out is not None:
+        return out, summed, g, ss
     return out, summed
 
 
@@ -461,8 +511,9 @@ def _fuses(x: torch.Tensor, weight: QuantizedWeight, config: LinearConfig | None
     """fp8 takes the prologue in the kernel up to t.fuse_max_rows rows (or with a forced
     config): above, every program re-reading the rows costs more than the separate kernel it
     saves. int4 never: its one row is a 16-row tile, and every program would compute the
-    prologue for 16 rows (llama-8b's int4 step at one row took 7.94 ms fused, 4.74 ms
-    unfused, on an H100)."""
+    prologue for 16 rows (llama-8b's int4 step at one row took 7.94 ms with the norm fused,
+    4.74 ms without; with silu * mul fused, 3.364 / 3.839 / 7.712 ms at batch 1 / 16 / 64
+    against 3.065 / 3.736 / 5.477, on an H100)."""
     return weight.format == "fp8" and (config is not None or x.shape[0] <= t.fuse_max_rows)
 
 
@@ -492,7 +543,7 @@ def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
 def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
                           bias: torch.Tensor | None = None, config: LinearConfig | None = None,
                           t: QuantLinearTuning = _TUNING) -> torch.Tensor:
-    """linear_quant(silu(gate) * up): the activation in the kernel's prologue at one row, else
+    """linear_quant(silu(gate) * up): the activation in the kernel's prologue (_fuses), else
     the activation kernel then linear_quant (W8A8: silu * up quantized in one kernel).
     Reference: linear_quant.silu_mul_linear_quant_ref."""
     if config is None and takes_w8a8(gate_up, weight, t, gated=True):
@@ -504,3 +555,43 @@ def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
 
         return linear_quant(silu_mul(gate_up), weight, bias, config, t)
     return _launch(gate_up, weight, bias, config, t, gated=True)[0]
+
+
+def takes_epilogue(x: torch.Tensor, weight: QuantizedWeight, width: int = 1,
+                   t: QuantLinearTuning = _TUNING) -> bool:
+    """Whether these rows run the W8A16 / W4A16 kernel, whose epilogue can add the residual
+    and begin the next norm (not W8A8, the dense GEMM or the reference). width: as
+    supported's."""
+    return (not takes_w8a8(x, weight, t, gated=width == 2)
+            and supported(x, weight, t.max_rows, width))
+
+
+def linear_quant_add(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor,
+                     next_norm: torch.Tensor | None = None, gated: bool = False,
+                     t: QuantLinearTuning = _TUNING) -> torch.Tensor | Prenormed:
+    """The projection of x (of silu(gate) * up when gated, x being [gate | up]) plus the
+    residual stream, the add in the kernel's epilogue: o and down. next_norm: the weight of
+    the RMSNorm after it; the result is then a Prenormed. Where the kernel does not take the
+    rows (takes_epilogue), the projection and a plain add."""
+    if not takes_epilogue(x, weight, 2 if gated else 1, t) or (
+            residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype
+            or residual.stride(-1) != 1 or next_norm is not None and not next_norm.is_contiguous()):
+        h = (silu_mul_linear_quant(x, weight, t=t) if gated else linear_quant(x, weight, t=t))
+        return h + residual
+    if gated and not _fuses(x, weight, None, t):
+        from .activation_triton import silu_mul
+
+        x, gated = silu_mul(x), False
+    out = _launch(x, weight, None, None, t, gated=gated, res_out=residual, norm_out=next_norm)
+    return out[0] if next_norm is None else Prenormed(out[0], out[2], out[3], next_norm)
+
+
+def prenormed_linear_quant(p: Prenormed, eps: float, weight: QuantizedWeight,
+                           bias: torch.Tensor | None = None,
+                           t: QuantLinearTuning = _TUNING) -> torch.Tensor:
+    """The projection of rms_norm(p.h) by p.norm_weight from its Prenormed form: p.g as the
+    input, 1 / rms from p.ss scaling the sums; where the kernel does not take the rows, the
+    norm and the projection (norm_linear_quant)."""
+    if not takes_epilogue(p.g, weight, 1, t) or bias is not None and not bias.is_contiguous():
+        return norm_linear_quant(p.h, None, p.norm_weight, eps, weight, bias, t=t)[0]
+    return _launch(p.g, weight, bias, None, t, eps=eps, row_scale=p.ss)[0]

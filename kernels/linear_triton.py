@@ -168,21 +168,6 @@ def _split_sum_kernel(ws_ptr, out_ptr, res_ptr, nw_ptr, g_ptr, ss_ptr, push_ptrs
                        tl.program_id(1), M, nw_ptr, g_ptr, ss_ptr)
 
 
-def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
-               block: int) -> None:
-    """out [M, N] = the fp32 partials ws [split, M, N] summed in split order (+ bias): the
-    split-K tail of the projections that need no epilogue (the quantized ones)."""
-    split, m, n = ws.shape
-    block = min(block, triton.next_power_of_2(n))
-    dependent = pdl.enabled(out)
-    _split_sum_kernel[(m, triton.cdiv(n, block))](
-        ws, out, out, out, out, out, out, m, n, 0, 0, SPLIT=split, BLOCK=block, RES_OUT=False,
-        NORM_OUT=False, PDL=dependent, PUSH=False, RANK=0, WORLD=1, num_warps=4,
-        launch_pdl=dependent)
-    if bias is not None:
-        out += bias
-
-
 def pick_config(m: int, n: int, k: int, t: LinearTuning = _TUNING) -> LinearConfig:
     """Per-shape launch parameters from the table t (tools/lab/tune_linear.py measured them).
 

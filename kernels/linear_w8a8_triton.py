@@ -6,7 +6,8 @@ torch._scaled_mm, which runs above QuantLinearTuning.w8a8_triton_max_rows rows.
 Why not torch._scaled_mm at 17-64 rows: cuBLASLt takes 128 x 128 tiles there, so a 4,096-
 column projection (o, down) runs on 32 of an H100's 132 SMs. Here every program holds all the
 rows (one tile of at most 64) and a narrow column block, and K is split until the programs fill
-the GPU; linear_triton's split-sum kernel adds the fp32 partials in split order (deterministic).
+the GPU; the last program of a column block to finish adds the fp32 partials in split order
+(deterministic).
 On an H100 (tools/lab/w8a8_triton.py), llama-8b's four projections at 64 rows: 94 us against
 torch._scaled_mm's 114.
 """
@@ -20,8 +21,9 @@ import triton.language as tl
 
 from . import pdl
 from .linear_fp8_rows import scaled_mm
-from . import linear_tiles_triton as tiles
-from .linear_triton import _split_k, sum_splits
+from . import quant_epilogue_triton as epi
+from .linear_triton import _split_k
+from .tickets import ticket_counters
 from .quant import QuantizedWeight
 from .tuning import DEFAULT, QuantLinearTuning
 
@@ -30,13 +32,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                 PDL: tl.constexpr):
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
+                 k_per_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] e4m3, xs [M] fp32, w [N, K] e4m3, ws [N] fp32: the program (column block,
     K split) over every row (M <= BLOCK_M) stores (x @ w.T) * xs * ws (+ bias), or under a
-    split its fp32 partial."""
+    split the last program of the column block to finish sums the fp32 partials
+    (quant_epilogue_triton.finish_tile)."""
     pdl.prologue(PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,7 +60,9 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K
             acc = tl.dot(x, tl.trans(w), acc)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    tiles.store_tile(acc, out_ptr, part_ptr, b_ptr, rm, rn, m_ok, n_ok, M, N, HAS_BIAS)
+    epi.finish_tile(acc, out_ptr, part_ptr, cnt_ptr, b_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
+                    rm, rn, m_ok, n_ok, tl.program_id(0), M, N, 0, HAS_BIAS, False, False,
+                    SPLIT)
 
 
 def _runs_here(q: torch.Tensor) -> bool:
@@ -85,11 +90,10 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
     part = torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out
     dependent = pdl.enabled(q)
     b = bias if bias is not None else out
+    counters = ticket_counters(q.device, triton.cdiv(n, bn)) if split > 1 else out
     _w8a8_kernel[(triton.cdiv(n, bn), split)](
-        q, scale, weight.data, weight.scale, b, out, part, m, n, k, k_per_split,
-        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        q, scale, weight.data, weight.scale, b, out, part, counters, m, n, k, k_per_split,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=bn, BLOCK_K=bk, STAGES=t.w8a8_stages, UPCAST=_INTERPRET,
         PDL=dependent, num_warps=t.w8a8_warps, num_stages=t.w8a8_stages, launch_pdl=dependent)
-    if split > 1:
-        sum_splits(part, out, bias, t.split_sum_block)
     return out

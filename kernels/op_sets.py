@@ -18,11 +18,10 @@ from functools import partial
 
 import torch
 
-from . import Normed, Ops
+from . import Normed, Ops, Prenormed
 from . import linear_fused_triton, linear_invariant_triton, linear_triton
 from .attention_decode_triton import decode_attention_invariant
 from .attention_prefill_triton import prefill_attention_invariant
-from .linear_fused_triton import Prenormed
 from .tuning import LinearTuning, Tuning
 from .weight_order import WeightOrder
 

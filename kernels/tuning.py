@@ -104,6 +104,14 @@ class QuantLinearTuning:
     # fp8 with the norm fused and K not split: the norm in one pass over the row (1 / rms
     # applied to the finished sums), as LinearTuning's projections do.
     one_pass_norm: bool = True
+    # Whether tensor-core tiles (int4 at any row count, fp8 W8A16 from 2 rows) launch as
+    # programmatic dependents (kernels/pdl.py); fp8's one-row CUDA-core kernel always does.
+    # Once the epilogues took the norms and split-K sums, a quantized projection's dependent
+    # was the next one: its programs, resident early and waiting, held the shared memory the
+    # running kernel's later waves needed. llama-8b on an H100, int4 at batch 1 / 16 / 64:
+    # 3.068 / 3.739 / 5.550 ms without, 3.933 / 3.742 / 6.521 with; fp8 at 16: 4.308
+    # against 4.645; fp8 at one row: 3.227 with, 3.344 without.
+    pdl_tensor_cores: bool = False
     # The dense copy's kernel (kernels/dequant_triton.py): a program's tile.
     dequant_block_n: int = 16
     dequant_block_k: int = 256
@@ -127,10 +135,9 @@ class QuantLinearTuning:
     w8a8_stages: int = 4
     w8a8_warps: int = 4
     w8a8_programs: int = 96
-    # K is split (fp32 partials summed in a fixed order, split_sum_block columns a program)
-    # until there are split_programs programs.
+    # K is split (each output tile's last program to finish sums the fp32 partials in a fixed
+    # order) until there are split_programs programs.
     split_programs: int = 264
-    split_sum_block: int = 1024
     # Tiles by row count, measured on an H100 with llama-8b's projections
     # (tools/lab/tune_quant_linear.py): one row on CUDA cores; up to few_rows_max rows 16-row
     # tensor-core tiles; then 64-row tiles, wider in N for weights of wide_n+ rows (gate_up),

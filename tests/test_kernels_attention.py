@@ -7,6 +7,7 @@ import torch
 from kernel_helpers import (
     DEV, DTYPES, INTERPRET, _check, _gen, _lengths, _paged_cache, _randn, _tol, attn_ref, big,
     kernel_test, rope_ref)
+from graphexec.kernels.tickets import ticket_counters
 
 
 # write_kv
@@ -144,7 +145,7 @@ def test_decode_attention_split_merge_leaves_counters_zero_and_is_deterministic(
     for min_tiles in (1, 2, 4):
         first = K.at.decode_attention_splits(q, kc, vc, tables, sl, 0.125, 8, min_tiles=min_tiles)
         _check(first, ref, dtype, "attention")
-        counters = K.at._split_counters(q.device, 1)
+        counters = ticket_counters(q.device, 1)
         assert int(counters.abs().sum()) == 0, min_tiles
         for _ in range(3):
             again = K.at.decode_attention_splits(q, kc, vc, tables, sl, 0.125, 8,
@@ -441,13 +442,13 @@ def test_prefill_attention_invariant_sequence_does_not_depend_on_batch(K):
 def test_split_counters_outgrown_buffer_stays_alive(K):
     """A launch needing more counters than the buffer holds gets a larger one; the old buffer,
     whose address earlier graphs captured, must stay allocated (and zero)."""
-    first = K.at._split_counters(torch.device(DEV), 1)
-    grown = K.at._split_counters(torch.device(DEV), first.numel() + 1)
+    first = ticket_counters(torch.device(DEV), 1)
+    grown = ticket_counters(torch.device(DEV), first.numel() + 1)
     assert grown.numel() > first.numel() and grown.data_ptr() != first.data_ptr()
-    from graphexec.kernels.attention_merge_triton import _OUTGROWN
+    from graphexec.kernels.tickets import _OUTGROWN
     assert any(t is first for t in _OUTGROWN)
     assert int(grown.abs().sum()) == 0 and int(first.abs().sum()) == 0
-    assert K.at._split_counters(torch.device(DEV), 1) is grown
+    assert ticket_counters(torch.device(DEV), 1) is grown
 
 
 @kernel_test

@@ -304,3 +304,56 @@ def test_dequantize_in_one_pass(fmt, dtype):
     # one rounding to dtype either way (the interpreter truncates to bf16 where the GPU
     # rounds: within _check's elementwise tolerance)
     _check(dequantize(qw, dtype), dequantize_ref(qw, dtype), dtype)
+
+
+# (m, block_m, block_n, split): one row on fp8's CUDA cores (int4 pads it to 16), a few rows,
+# two row blocks; split 3 makes each output tile's last program sum the partials
+EPILOGUE_CASES = big([(1, 1, 8, 1), (1, 16, 64, 4), (9, 16, 32, 3), (40, 16, 64, 2),
+                      (64, 64, 64, 1)],
+                     [(1, 1, 8, 1), (1, 16, 16, 3), (5, 16, 16, 1), (20, 16, 32, 3)])
+
+
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,block_m,block_n,split", EPILOGUE_CASES)
+@pytest.mark.parametrize("fmt", ["fp8", "int4_asym", "int4_g32"])
+def test_residual_epilogue_begins_the_norm_the_next_projection_ends(m, block_m, block_n,
+                                                                     split, fmt):
+    """o / down with the residual add in the epilogue and the next RMSNorm begun (g = h * norm
+    weight, per-tile sums of squares), then a projection taking that Prenormed (g in, 1 / rms
+    on its sums), each against the dense reference; the ticket counters are left at zero for
+    the next launch, which gives the same bits."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.linear_quant import norm_linear_quant_ref
+    from graphexec.kernels.tickets import ticket_counters
+
+    if fmt != "fp8" and block_m == 1:
+        block_m, block_n = 16, 16
+    dtype, k, n, n2 = torch.bfloat16, 256, 128, 96
+    x = _randn((m, k), dtype, 30)
+    res = _randn((m, n), dtype, 31, 2.0)
+    nw = (1.0 + 0.2 * _randn((n,), torch.float32, 32)).to(dtype)
+    qw = _quantize(_randn((n, k), torch.float32, 33, k ** -0.5), fmt)
+    qw2 = _quantize(_randn((n2, n), torch.float32, 34, n ** -0.5), fmt)
+
+    def cfg(width):
+        return lq.LinearConfig(block_m, block_n, _block_k(64, qw, width), split_k=split)
+
+    h, summed, g, ss = lq._launch(x, qw, None, cfg(k), lq.DEFAULT.quant_linear, res_out=res,
+                                  norm_out=nw)
+    assert summed is x
+    want_h = (_ref(x, qw).float() + res.float()).to(dtype)
+    _check(h, want_h, dtype, "reduction")
+    _check(g, (h.float() * nw.float()).to(dtype), dtype)
+    assert ss.shape == (-(-n // block_n), m)
+    torch.testing.assert_close(ss.sum(0), h.float().pow(2).sum(1), atol=1e-3, rtol=1e-4)
+    assert int(ticket_counters(x.device, 1).abs().sum()) == 0
+    again = lq._launch(x, qw, None, cfg(k), lq.DEFAULT.quant_linear, res_out=res, norm_out=nw)
+    assert torch.equal(again[0], h) and torch.equal(again[3], ss)
+
+    p = lq.Prenormed(h, g, ss, nw)
+    out = lq._launch(p.g, qw2, None, cfg(n), lq.DEFAULT.quant_linear, eps=1e-5,
+                     row_scale=p.ss)[0]
+    want, _ = norm_linear_quant_ref(h.float(), None, nw.float(), 1e-5, qw2)
+    _check(out, want.to(dtype), dtype, "reduction")
+

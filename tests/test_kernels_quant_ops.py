@@ -5,7 +5,7 @@ weights; a dense weight in the same set (the LM head) still runs the base set's 
 import pytest
 import torch
 
-from graphexec.kernels import REFERENCE_OPS
+from graphexec.kernels import REFERENCE_OPS, Prenormed
 from graphexec.kernels.quant import dequantize, quantize_fp8, quantize_int4
 from kernel_helpers import _check, _randn, kernel_test
 
@@ -52,15 +52,31 @@ def test_layer_projections_match_the_reference(fmt, rows):
     want, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["qkv"][1])
     _check(got, want, dtype, "reduction")
     _check(got_sum, want_sum, dtype)
-    h, stream = ops.out_linear(x, w["o"][0], res, nw)
-    _check(h + stream, ref.linear(x, w["o"][1]) + res, dtype, "reduction")
-    h, summed = ops.mlp(x, res, nw, 1e-5, w["gate_up"][0], w["down"][0], nw)
-    gu, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["gate_up"][1])
+    # o adds the residual in its epilogue and begins the next norm, which qkv finishes
+    h, passed = ops.out_linear(x, w["o"][0], res, nw)
+    assert isinstance(h, Prenormed) and passed is None
+    stream = ref.linear(x, w["o"][1]) + res
+    _check(h.h, stream, dtype, "reduction")
+    got, got_sum = ops.norm_linear(h, passed, nw, 1e-5, w["qkv"][0])
+    want, _ = ref.norm_linear(h.h, None, nw, 1e-5, w["qkv"][1])
+    _check(got, want, dtype, "reduction")
+    assert got_sum is h.h
+    # the MLP from a Prenormed: gate_up finishes the norm, down adds the stream
+    h2, passed = ops.mlp(h, None, nw, 1e-5, w["gate_up"][0], w["down"][0], nw)
+    assert isinstance(h2, Prenormed) and passed is None
+    gu, _ = ref.norm_linear(h.h, None, nw, 1e-5, w["gate_up"][1])
     # three bf16 rounding points in a chain (gate_up, the activation, down), each free to
     # round the other way: a few ulps of the largest values
-    torch.testing.assert_close(h.float(), ref.silu_mul_linear(gu, w["down"][1]).float(),
+    torch.testing.assert_close(h2.h.float(),
+                               (ref.silu_mul_linear(gu, w["down"][1]) + h.h).float(),
                                atol=8e-2, rtol=4e-2)
-    _check(summed, want_sum, dtype)
+    # and from the plain stream: the norm kernel first
+    h3, passed = ops.mlp(x, res, nw, 1e-5, w["gate_up"][0], w["down"][0], None)
+    gu, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["gate_up"][1])
+    assert passed is None and not isinstance(h3, Prenormed)
+    torch.testing.assert_close(h3.float(),
+                               (ref.silu_mul_linear(gu, w["down"][1]) + want_sum).float(),
+                               atol=8e-2, rtol=4e-2)
     # a rank's set: o's partial sum alone, the residual passed on to the all-reduce
     rank = ops.for_rank(0)
     h, passed = rank.out_linear(x, w["o"][0], res, None)
@@ -91,7 +107,8 @@ def test_layer_projections_on_w8a8_stay_near_the_reference():
     want, want_sum = ref.norm_linear(x, res, nw, 1e-5, w["qkv"][1])
     near(got, want)
     _check(got_sum, want_sum, dtype)
-    h, stream = ops.out_linear(x, w["o"][0], res, nw)
+    h, stream = ops.out_linear(x, w["o"][0], res, nw)  # W8A8: the add left to the next norm
+    assert stream is res
     near(h, ref.linear(x, w["o"][1]))
     h, summed = ops.mlp(x, res, nw, 1e-5, w["gate_up"][0], w["down"][0], nw)
     gu, _ = ref.norm_linear(x, res, nw, 1e-5, w["gate_up"][1])

@@ -37,8 +37,18 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
         lq.linear_quant(torch.randn(4, inter).half(), w, torch.randn(h).half())
         lq.linear_quant(_bf16(1, inter), w, config=lq.LinearConfig(
             1 if w.format == "fp8" else 16, 16, 128, 8))
+    for m in (1, 16, 64):  # o / down adding the stream and beginning the norm, and after it
+        for w in weights:
+            p = lq.linear_quant_add(_bf16(m, inter), w, _bf16(m, h), _bf16(h))
+            lq.prenormed_linear_quant(p, 1e-5, quantize_int4(torch.randn(inter, h)))
     names = [name for name, _ in compiled]
-    assert {"_w8a16_kernel", "_w4a16_kernel", "_split_sum_kernel"} <= set(names), names
+    # the split-K sums are the last program's of each tile: no kernel of their own
+    assert {"_w8a16_kernel", "_w4a16_kernel"} <= set(names), names
+    assert "_split_sum_kernel" not in names
+    consts_of = [{k.src.fn.arg_names[i[0]]: v for i, v in k.src.constants.items()}
+                 for name, k in compiled if name == "_w4a16_kernel"]
+    assert any(c["RES_OUT"] and c["NORM_OUT"] for c in consts_of)
+    assert any(c["ROW_SCALE"] for c in consts_of)
     for name, kernel in compiled:
         if name in ("_w8a16_kernel", "_w4a16_kernel"):
             ptx = kernel.asm["ptx"]
@@ -47,6 +57,8 @@ def test_quantized_projections_compile_and_stream_weights(compiled, monkeypatch)
                                   ptx))
             consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
             assert fast > 0, (name, sorted(consts.items()))
+            if "atom.global" in ptx:  # a split K's ticket publishes the partials it follows
+                assert re.search(r"atom\.global\.(gpu\.)?acq_rel|atom\.acq_rel\.gpu", ptx), name
             if name == "_w8a16_kernel":
                 assert not consts["UPCAST"]
                 continue
@@ -107,25 +119,33 @@ def test_kv_kernels_compile_for_an_fp8_cache(compiled):
 def test_quantized_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
     """As the dense projections: W8A16 and W4A16 launched as programmatic dependents fetch
     their first weight tile (and its scales) before griddepcontrol.wait, store nothing before
-    it, and signal their own dependents."""
+    it, and signal their own dependents. Tensor-core tiles launch so only with
+    QuantLinearTuning.pdl_tensor_cores; fp8's one-row kernel always does."""
+    from dataclasses import replace
+
     from graphexec.kernels import linear_quant_triton as lq
     from graphexec.kernels import pdl
     from graphexec.kernels.quant import quantize_fp8, quantize_int4
 
     monkeypatch.setattr(pdl, "enabled", lambda x, *args, **kwargs: True)
     monkeypatch.setattr(lq, "supported", lambda x, w, max_rows, *a: x.shape[0] <= max_rows)
+    t = replace(lq.DEFAULT.quant_linear, pdl_tensor_cores=True)
     h = 2048
     for m in (1, 16):
         for w in (quantize_fp8(torch.randn(h, h)), quantize_int4(torch.randn(h, h), 128, False)):
-            lq.linear_quant(_bf16(m, h), w)
+            lq.linear_quant(_bf16(m, h), w, t=t)
             if m == 1:  # the norm's pass over x and the residual sum come after the wait
-                lq.norm_linear_quant(_bf16(1, h), _bf16(1, h), _bf16(h), 1e-5, w)
+                lq.norm_linear_quant(_bf16(1, h), _bf16(1, h), _bf16(h), 1e-5, w, t=t)
     kernels = [k for name, k in compiled if name in ("_w8a16_kernel", "_w4a16_kernel")]
     assert len(kernels) == 6
     for kernel in kernels:
         assert kernel.metadata.launch_pdl
         before = _before_wait(kernel.asm["ptx"])
         assert re.search(r"ld\.global|cp\.async", before), "the first weight tile"
+    compiled.clear()
+    lq.linear_quant(_bf16(16, h), quantize_int4(torch.randn(h, h), 128, False))
+    lq.linear_quant(_bf16(1, h), quantize_fp8(torch.randn(h, h)))
+    assert [k.metadata.launch_pdl for _, k in compiled] == [False, True]
 
 
 def test_dequantize_kernel_compiles(compiled):
