@@ -324,7 +324,7 @@ def test_residual_epilogue_begins_the_norm_the_next_projection_ends(m, block_m, 
     on its sums), each against the dense reference; the ticket counters are left at zero for
     the next launch, which gives the same bits."""
     from graphexec.kernels import linear_quant_triton as lq
-    from graphexec.kernels.linear_quant import norm_linear_quant_ref
+    from graphexec.kernels.linear_quant import linear_quant_add_ref, prenormed_linear_quant_ref
     from graphexec.kernels.tickets import ticket_counters
 
     if fmt != "fp8" and block_m == 1:
@@ -342,11 +342,13 @@ def test_residual_epilogue_begins_the_norm_the_next_projection_ends(m, block_m, 
     h, summed, g, ss = lq._launch(x, qw, None, cfg(k), lq.DEFAULT.quant_linear, res_out=res,
                                   norm_out=nw)
     assert summed is x
-    want_h = (_ref(x, qw).float() + res.float()).to(dtype)
-    _check(h, want_h, dtype, "reduction")
-    _check(g, (h.float() * nw.float()).to(dtype), dtype)
+    want = linear_quant_add_ref(x.float(), qw, res, nw)  # fp32 sums, as _ref
+    _check(h, want.h.to(dtype), dtype, "reduction")
+    # g and the sums of squares of the kernel's own h: the norm's share, exactly placed
+    own = linear_quant_add_ref(torch.zeros_like(x), qw, h, nw)
+    _check(g, own.g, dtype)
     assert ss.shape == (-(-n // block_n), m)
-    torch.testing.assert_close(ss.sum(0), h.float().pow(2).sum(1), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(ss.sum(0), own.ss[0], atol=1e-3, rtol=1e-4)
     assert int(ticket_counters(x.device, 1).abs().sum()) == 0
     again = lq._launch(x, qw, None, cfg(k), lq.DEFAULT.quant_linear, res_out=res, norm_out=nw)
     assert torch.equal(again[0], h) and torch.equal(again[3], ss)
@@ -354,6 +356,6 @@ def test_residual_epilogue_begins_the_norm_the_next_projection_ends(m, block_m, 
     p = lq.Prenormed(h, g, ss, nw)
     out = lq._launch(p.g, qw2, None, cfg(n), lq.DEFAULT.quant_linear, eps=1e-5,
                      row_scale=p.ss)[0]
-    want, _ = norm_linear_quant_ref(h.float(), None, nw.float(), 1e-5, qw2)
+    want = prenormed_linear_quant_ref(lq.Prenormed(h.float(), g, ss, nw.float()), 1e-5, qw2)
     _check(out, want.to(dtype), dtype, "reduction")
 

@@ -102,3 +102,31 @@ def test_int4_needs_whole_plane_blocks():
         quantize_int4(torch.randn(4, 96), 32)
     with pytest.raises(ValueError, match="64-column block"):
         quantize_int4(torch.randn(4, 256), 32).cols(0, 96)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_a_prenormed_stream_stands_for_its_norm(fmt):
+    """The norm the quantized kernels split between o / down and the projection after them
+    (kernels/linear_quant.py, the references): projecting g = h * norm weight and scaling each
+    row's sums by 1 / rms(h), from the carried sums of squares, is the projection of
+    rms_norm(h); and h is the projection plus the residual."""
+    from graphexec.kernels.linear_quant import (linear_quant_add_ref, linear_quant_ref,
+                                                prenormed_linear_quant_ref)
+
+    g = torch.Generator().manual_seed(5)
+    k, n, n2, eps = 128, 64, 96, 1e-5
+
+    def quant(w):
+        return quantize_fp8(w) if fmt == "fp8" else quantize_int4(w, 64)
+
+    x = torch.randn(5, k, generator=g)
+    res = 3 * torch.randn(5, n, generator=g)
+    nw = 1 + 0.2 * torch.randn(n, generator=g)
+    qw, qw2 = quant(torch.randn(n, k, generator=g)), quant(torch.randn(n2, n, generator=g))
+    p = linear_quant_add_ref(x, qw, res, nw)
+    torch.testing.assert_close(p.h, linear_quant_ref(x, qw) + res)
+    assert p.ss.shape == (1, 5) and p.norm_weight is nw
+    rstd = torch.rsqrt(p.ss.sum(0) / n + eps)
+    torch.testing.assert_close(linear_quant_ref(p.g, qw2) * rstd[:, None],
+                               prenormed_linear_quant_ref(p, eps, qw2), rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear_quant_add_ref(x, qw, res), p.h)
