@@ -21,7 +21,7 @@ import triton.language as tl
 
 from . import pdl
 from .linear_fp8_rows import scaled_mm
-from . import quant_epilogue_triton as epi
+from . import quant_tiles_triton as qt
 from .linear_triton import _split_k
 from .tickets import ticket_counters
 from .quant import QuantizedWeight
@@ -39,7 +39,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr
     """x [M, K] e4m3, xs [M] fp32, w [N, K] e4m3, ws [N] fp32: the program (column block,
     K split) over every row (M <= BLOCK_M) stores (x @ w.T) * xs * ws (+ bias), or under a
     split the last program of the column block to finish sums the fp32 partials
-    (quant_epilogue_triton.finish_tile)."""
+    (quant_tiles_triton.finish_tile)."""
     pdl.prologue(PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +60,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr
             acc = tl.dot(x, tl.trans(w), acc)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    epi.finish_tile(acc, out_ptr, part_ptr, cnt_ptr, b_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
+    qt.finish_tile(acc, out_ptr, part_ptr, cnt_ptr, b_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
                     rm, rn, m_ok, n_ok, tl.program_id(0), M, N, 0, HAS_BIAS, False, False,
                     SPLIT)
 

@@ -1,6 +1,6 @@
 """Ticket counters: zeroed int32 slots for kernels whose last program to finish a share of the
 work completes it (the split merge of flash-decoding, kernels/attention_decode_triton.py; the
-split-K sums of the quantized projections, kernels/quant_epilogue_triton.py). A program
+split-K sums of the quantized projections, kernels/quant_tiles_triton.py). A program
 publishes its partial, takes a ticket with an acquire-release atomic add, and the one that
 draws the last ticket reads every partial and resets its counter to 0 for the next launch."""
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The epilogue of the quantized projections (kernels/linear_quant_triton.py,
-kernels/linear_w8a8_triton.py): a program's fp32 sums made into the output tile, in the kernel
-that computed them. References: kernels/linear.py, kernels/rmsnorm.py.
+"""The building blocks the quantized projection kernels share (kernels/linear_quant_triton.py,
+kernels/linear_w4a16_triton.py, kernels/linear_w8a8_triton.py): a program's tile, the 1 / rms
+of a Prenormed input, and the epilogue that makes a program's fp32 sums into the output tile
+in the kernel that computed them. References: kernels/linear.py, kernels/rmsnorm.py.
 
 Under split K the programs of one output tile each store their partial, then take a ticket
 (kernels/tickets.py); the program that draws the last one sums the partials in split order
@@ -10,8 +11,8 @@ more in launch and drain than its sums.
 
 The finished tile may add the residual stream (RES_OUT, rounded as the reference: the
 projection to the dtype, then the fp32 add) and begin the next RMSNorm (NORM_OUT:
-linear_fused_triton.Prenormed); a projection reading a Prenormed takes its 1 / rms from the
-producer's per-tile sums of squares (row_rstd) and scales its sums with it.
+kernels.Prenormed); a projection reading a Prenormed takes its 1 / rms from the producer's
+per-tile sums of squares (row_rstd) and scales its sums with it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,20 @@ import triton
 import triton.language as tl
 
 from . import linear_tiles_triton as tiles
+
+
+@triton.jit
+def tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's rows, columns and K range. Row blocks vary fastest: the row blocks of one
+    column block run together and share its weight tile through L2 (many rows would otherwise
+    stream the weight once per row block)."""
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    rm = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid // m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(1) * k_per_split
+    return rm, rn, rm < M, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K)
+
 
 
 @triton.jit
