@@ -137,13 +137,6 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
     return acc
 
 
-@triton.jit
-def _writes_sum(M, BLOCK_M: tl.constexpr):
-    """Whether this program stores the residual sum of its rows: the first column block's, of
-    the first K split."""
-    return (tl.program_id(0) // tl.cdiv(M, BLOCK_M) == 0) & (tl.program_id(1) == 0)
-
-
 # M is the batch: never specialise on it, or every new batch size would compile again. Under
 # programmatic dependent launch (PDL, kernels/pdl.py) a program lets the next kernel launch,
 # fetches its first weight tile (weights are never written during decode), and only then waits
@@ -162,7 +155,8 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
     prologue (_x_tile, or _w8_step's one-pass norm). The epilogue:
     quant_tiles_triton.finish_tile, as the int4 kernel's (its residual res, the next
     norm's weight nw)."""
-    rm, rn, m_ok, n_ok, k_lo, k_hi = qt.tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    rm, rn, m_ok, n_ok, k_lo, k_hi, pid_n = qt.tile_ids(M, N, K, k_per_split, BLOCK_M,
+                                                        BLOCK_N)
     dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr
@@ -173,7 +167,8 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
         pdl.gdc_launch_dependents()
         w_first = _w8_tile(w_rows, k_lo, k_hi, n_ok, BLOCK_K)
         pdl.gdc_wait()
-    writes_sum = _writes_sum(M, BLOCK_M)
+    # the first column block's program of the first K split stores the residual sum of its rows
+    writes_sum = (pid_n == 0) & (tl.program_id(1) == 0)
     sum_rows = sum_ptr + rm.to(tl.int64)[:, None] * K
     rstd = eps
     if not ONE_PASS:
@@ -186,7 +181,7 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
                            dtype, NORM, HAS_RES, GATED, DOT, UPCAST, ONE_PASS, BLOCK_K)
         k_start = k_lo + BLOCK_K
     if ROW_SCALE:
-        ss_parts = qt.load_row_ss(ss_in_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
+        ss_parts = tiles.load_row_ss(ss_in_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
         acc, ss = _w8_step(acc, ss, w, *prologue, k0, k_hi, m_ok, rstd, writes_sum, dtype,
@@ -196,12 +191,11 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
     if ONE_PASS:
         acc = acc * (1.0 / tl.sqrt_rn(ss / K + eps))[:, None]
     if ROW_SCALE:
-        acc = acc * qt.row_rstd(ss_parts, K, eps)[:, None]
+        acc = acc * tiles.row_rstd(ss_parts, K, eps)[:, None]
     scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     qt.finish_tile(acc * scale[None, :], out_ptr, ws_ptr, cnt_ptr, b_ptr, res_ptr, nw_ptr,
-                    g_ptr, ss_out_ptr, rm, rn, m_ok, n_ok,
-                    tl.program_id(0) // tl.cdiv(M, BLOCK_M), M, N, sres, HAS_BIAS, RES_OUT,
-                    NORM_OUT, SPLIT)
+                   g_ptr, ss_out_ptr, rm, rn, m_ok, n_ok, pid_n, M, N, sres, HAS_BIAS, RES_OUT,
+                   NORM_OUT, SPLIT)
 
 
 def pick_config(m: int, n: int, k: int, group: int, int4: bool = False,
@@ -267,6 +261,8 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     if norm_out is not None and res_out is None or res_out is not None and bias is not None:
         raise ValueError("the next norm's share follows a residual epilogue, which follows a "
                          "projection without bias")
+    if int4 and (normed or gated):
+        raise ValueError("the int4 kernel takes no prologue: its one row is a 16-row tile")
     if config is None:
         config, split = pick_config(m, n, k, group, int4, t)
     else:
@@ -289,8 +285,10 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
         g = _new((m, n), x.dtype, x.device)
         ss = _new((triton.cdiv(n, config.block_n), m), torch.float32, x.device)
     n_ss = 0 if row_scale is None else row_scale.shape[0]
-    epilogue = (res_out if res_out is not None else out, g if g is not None else out,
-                ss if ss is not None else out, row_scale if row_scale is not None else out)
+    # the epilogue's operands; out stands in for those not used
+    res = res_out if res_out is not None else out
+    g_out, ss_out = (g, ss) if norm_out is not None else (out, out)
+    ss_in = row_scale if row_scale is not None else out
     dependent = pdl.enabled(x) and (config.block_m == 1 or t.pdl_tensor_cores)
     meta = dict(HAS_BIAS=bias is not None, RES_OUT=res_out is not None,
                 NORM_OUT=norm_out is not None, ROW_SCALE=row_scale is not None, SPLIT=split,
@@ -299,24 +297,21 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 launch_pdl=dependent)
     b = bias if bias is not None else out
-    sres = epilogue[0].stride(0)
+    nw = next(v for v in (norm_weight, norm_out, x) if v is not None)
     if int4:
-        if normed or gated:
-            raise ValueError("the int4 kernel takes no prologue: its one row is a 16-row tile")
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](x, weight.data.view(torch.int16), weight.scale, z, b, out, ws,
-                            counters, epilogue[0],
-                            norm_out if norm_out is not None else x, *epilogue[1:], m, n, k,
-                            k // 4, k_per_split, x.stride(0), weight.scale.stride(1),
-                            z.stride(1), sres, n_ss, eps, GROUP=group,
+                            counters, res, nw, g_out, ss_out, ss_in, m, n, k, k // 4,
+                            k_per_split, x.stride(0), weight.scale.stride(1), z.stride(1),
+                            res.stride(0), n_ss, eps, GROUP=group,
                             HAS_ZERO=weight.zero is not None, ASM=not _INTERPRET, **meta)
     else:
         r = residual if residual is not None else x
-        nw = next(v for v in (norm_weight, norm_out, x) if v is not None)
         one_pass = t.one_pass_norm and norm_weight is not None and split == 1
         _w8a16_kernel[grid](x, r, nw, summed, weight.data, weight.scale, b, out, ws, counters,
-                            *epilogue, m, n, k, k_per_split, x.stride(0), r.stride(0), sres,
-                            n_ss, eps, NORM=norm_weight is not None,
+                            res, g_out, ss_out, ss_in, m, n, k, k_per_split, x.stride(0),
+                            r.stride(0), res.stride(0), n_ss, eps,
+                            NORM=norm_weight is not None,
                             HAS_RES=residual is not None, GATED=gated,
                             DOT=config.block_m > 1, UPCAST=_INTERPRET, ONE_PASS=one_pass,
                             **meta)

@@ -93,6 +93,21 @@ def _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K, ks, k_
 
 
 @triton.jit
+def load_row_ss(ss_ptr, n_ss, rm, m_ok, M, BLOCK_SS: tl.constexpr):
+    """The producer's per-tile sums of squares of rows rm: [BLOCK_SS, BLOCK_M] of ss [n_ss, M]
+    (loaded before the K loop, so their latency hides behind the weight stream)."""
+    ts = tl.arange(0, BLOCK_SS)
+    return tl.load(ss_ptr + ts[:, None] * M + rm[None, :],
+                   mask=(ts < n_ss)[:, None] & m_ok[None, :], other=0.0)
+
+
+@triton.jit
+def row_rstd(ss_parts, K, eps):
+    """1 / rms of each row [BLOCK_M] from load_row_ss's parts; K: the row's width."""
+    return 1.0 / tl.sqrt_rn(tl.sum(ss_parts, axis=0) / K + eps)
+
+
+@triton.jit
 def project(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, sum_ptr, ss_ptr, pf_ptr, M, N, K, k_per_split,
             eps, sx, sr, n_ss, pf_total, dtype: tl.constexpr, NORM: tl.constexpr,
             HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -168,12 +183,9 @@ def project(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, sum_ptr, ss_ptr, pf_ptr, M, N, K
                                 sum_rows, K, ks0, ks0 < k_hi, m_ok, rstd, writes_sum, dtype,
                                 NORM, HAS_RES, GATED, ONE_PASS, SILU_OUT, BLOCK_M, UPCAST)
     if ROW_SCALE:
-        # The producer's per-tile sums of squares of these rows, loaded now and summed after
-        # the loop, so their latency hides behind the weight stream (loaded a chunk per K
-        # block inside the loop, they broke the weight pipeline).
-        ts = tl.arange(0, BLOCK_SS)
-        ss_parts = tl.load(ss_ptr + ts[:, None] * M + rm[None, :],
-                           mask=(ts < n_ss)[:, None] & m_ok[None, :], other=0.0)
+        # loaded now and summed after the loop (loaded a chunk per K block inside the loop,
+        # they broke the weight pipeline)
+        ss_parts = load_row_ss(ss_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
     # tl.range with num_stages: the loads of the M == 1 path feed no dot, and the kernel-wide
     # num_stages only pipelines loads that do.
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
@@ -199,7 +211,7 @@ def project(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, sum_ptr, ss_ptr, pf_ptr, M, N, K
         acc = acc * inv_rms
         acc_up = acc_up * inv_rms
     if ROW_SCALE:
-        inv_rms = (1.0 / tl.sqrt_rn(tl.sum(ss_parts, axis=0) / K + eps))[:, None]
+        inv_rms = row_rstd(ss_parts, K, eps)[:, None]
         acc = acc * inv_rms
         acc_up = acc_up * inv_rms
     if HAS_BIAS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import linear_tiles_triton as tiles
 from . import pdl
 from . import quant_tiles_triton as qt
 
@@ -126,7 +127,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r
     for groups of 16 or 32; KH = K / 4, the halves a row, passed so that Triton sees its
     alignment (vector loads). The epilogue: quant_tiles_triton.finish_tile (ROW_SCALE: x is
     a Prenormed's g, its rows' 1 / rms from ss_in [n_ss, M])."""
-    rm, rn, m_ok, n_ok, k_lo, k_hi = qt.tile_ids(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    rm, rn, m_ok, n_ok, k_lo, k_hi, pid_n = qt.tile_ids(M, N, K, k_per_split, BLOCK_M,
+                                                        BLOCK_N)
     dtype = out_ptr.dtype.element_ty
     x_cols = x_ptr + rm.to(tl.int64)[None, :] * sx
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * KH
@@ -143,12 +145,12 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r
                        BLOCK_N, BLOCK_K)
         k_start = k_lo + BLOCK_K
     if ROW_SCALE:
-        ss_parts = qt.load_row_ss(ss_in_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
+        ss_parts = tiles.load_row_ss(ss_in_ptr, n_ss, rm, m_ok, M, BLOCK_SS)
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         acc = _w4_step(acc, _halves(w_rows, k0, n_ok, BLOCK_K), *terms, k0, m_ok, n_ok, dtype,
                        GROUP, HAS_ZERO, ASM, BLOCK_N, BLOCK_K)
     if ROW_SCALE:
-        acc = acc * qt.row_rstd(ss_parts, K, eps)[None, :]
+        acc = acc * tiles.row_rstd(ss_parts, K, eps)[None, :]
     qt.finish_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, b_ptr, r_ptr, nw_ptr, g_ptr,
-                    ss_out_ptr, rm, rn, m_ok, n_ok, tl.program_id(0) // tl.cdiv(M, BLOCK_M), M,
-                    N, sr, HAS_BIAS, RES_OUT, NORM_OUT, SPLIT)
+                   ss_out_ptr, rm, rn, m_ok, n_ok, pid_n, M, N, sr, HAS_BIAS, RES_OUT, NORM_OUT,
+                   SPLIT)

@@ -55,8 +55,7 @@ class QuantizedWeight:
             return
         k = self.data.shape[1] * PACK
         g = self.group_size
-        if (self.data.dtype != torch.int32 or k % PLANE_BLOCK
-                or not (g in (16, 32) or (g > 0 and g % PLANE_BLOCK == 0)) or k % g):
+        if self.data.dtype != torch.int32 or k % PLANE_BLOCK or not plane_group(g) or k % g:
             raise ValueError(f"int4 weight: data {self.data.dtype} {tuple(self.data.shape)}, "
                              f"group_size={g}: want int32 [N, K / 8] with K a multiple of "
                              f"{PLANE_BLOCK}, and a group_size of 16, 32 or a multiple of "
@@ -128,6 +127,13 @@ class QuantizedWeight:
                        else self.zero[:, start // g:stop // g].contiguous())
 
 
+def plane_group(group_size) -> bool:
+    """Whether int4's plane order takes groups of this many input columns: 16, 32 or whole
+    64-column blocks."""
+    return isinstance(group_size, int) and group_size > 0 and (
+        group_size in (16, 32) or group_size % PLANE_BLOCK == 0)
+
+
 def _group_major(t: torch.Tensor) -> torch.Tensor:
     """t [N, G] with its N values of each group adjacent in memory."""
     return t if t.stride() == (1, t.shape[0]) else t.t().contiguous().t()
@@ -163,8 +169,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     Asymmetric: scale = (max - min) / 15 with min <= 0 <= max, zero = clamp(-8 - round(min /
     scale)), q = clamp(round(w / scale) + zero)."""
     n, k = w.shape
-    if not (group_size in (16, 32) or group_size % PLANE_BLOCK == 0) or k % group_size or (
-            k % PLANE_BLOCK):
+    if not plane_group(group_size) or k % group_size or k % PLANE_BLOCK:
         raise ValueError(f"group_size={group_size} must be 16, 32 or a multiple of "
                          f"{PLANE_BLOCK}, dividing the input dim {k} (a multiple of "
                          f"{PLANE_BLOCK})")

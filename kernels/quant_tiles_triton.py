@@ -1,7 +1,7 @@
 """The building blocks the quantized projection kernels share (kernels/linear_quant_triton.py,
-kernels/linear_w4a16_triton.py, kernels/linear_w8a8_triton.py): a program's tile, the 1 / rms
-of a Prenormed input, and the epilogue that makes a program's fp32 sums into the output tile
-in the kernel that computed them. References: kernels/linear.py, kernels/rmsnorm.py.
+kernels/linear_w4a16_triton.py, kernels/linear_w8a8_triton.py): a program's tile and the
+epilogue that makes a program's fp32 sums into the output tile in the kernel that computed
+them. References: kernels/linear.py, kernels/rmsnorm.py.
 
 Under split K the programs of one output tile each store their partial, then take a ticket
 (kernels/tickets.py); the program that draws the last one sums the partials in split order
@@ -12,7 +12,7 @@ more in launch and drain than its sums.
 The finished tile may add the residual stream (RES_OUT, rounded as the reference: the
 projection to the dtype, then the fp32 add) and begin the next RMSNorm (NORM_OUT:
 kernels.Prenormed); a projection reading a Prenormed takes its 1 / rms from the producer's
-per-tile sums of squares (row_rstd) and scales its sums with it.
+per-tile sums of squares (linear_tiles_triton.row_rstd) and scales its sums with it.
 """
 from __future__ import annotations
 
@@ -24,32 +24,16 @@ from . import linear_tiles_triton as tiles
 
 @triton.jit
 def tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The program's rows, columns and K range. Row blocks vary fastest: the row blocks of one
-    column block run together and share its weight tile through L2 (many rows would otherwise
-    stream the weight once per row block)."""
+    """The program's rows, columns, K range and column block. Row blocks vary fastest: the row
+    blocks of one column block run together and share its weight tile through L2 (many rows
+    would otherwise stream the weight once per row block)."""
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
+    pid_n = pid // m_blocks
     rm = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid // m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = tl.program_id(1) * k_per_split
-    return rm, rn, rm < M, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K)
-
-
-
-@triton.jit
-def load_row_ss(ss_ptr, n_ss, rm, m_ok, M, BLOCK_SS: tl.constexpr):
-    """The producer's per-tile sums of squares of rows rm: [BLOCK_SS, BLOCK_M] of ss [n_ss, M]
-    (loaded before the K loop, so their latency hides behind the weight stream)."""
-    ts = tl.arange(0, BLOCK_SS)
-    return tl.load(ss_ptr + ts[:, None] * M + rm[None, :],
-                   mask=(ts < n_ss)[:, None] & m_ok[None, :], other=0.0)
-
-
-@triton.jit
-def row_rstd(ss_parts, K, eps):
-    """1 / rms of each row [BLOCK_M] from load_row_ss's parts; K: the row's width."""
-    return 1.0 / tl.sqrt_rn(tl.sum(ss_parts, axis=0) / K + eps)
-
+    return rm, rn, rm < M, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K), pid_n
 
 @triton.jit
 def _epilogue(acc, out_ptr, b_ptr, r_ptr, nw_ptr, g_ptr, ss_ptr, rm, rn, m_ok, n_ok, tile, M,

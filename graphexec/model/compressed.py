@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.quant import PACK, PLANE_BLOCK, QuantizedWeight, pack_planes, unpack_int4
+from ..kernels.quant import (PACK, PLANE_BLOCK, QuantizedWeight, pack_planes, plane_group,
+                             unpack_int4)
 
 FORMATS = {"float-quantized": ("float", 8, ("channel", "tensor")),
            "pack-quantized": ("int", 4, ("group", "channel"))}
@@ -71,8 +72,7 @@ def _group_scheme(path: str, name: str, group: dict, fmt) -> CompressedScheme:
         raise ValueError(f"model={path!r}: config_groups.{name}.weights: asymmetric fp8 "
                          "(symmetric=false) is not supported")
     group_size = w.get("group_size") if got[2] == "group" else None
-    if got[2] == "group" and not (isinstance(group_size, int) and group_size > 0 and (
-            group_size in (16, 32) or group_size % PLANE_BLOCK == 0)):
+    if got[2] == "group" and not plane_group(group_size):
         raise ValueError(f"model={path!r}: config_groups.{name}.weights.group_size="
                          f"{group_size!r} must be 16, 32 or a positive multiple of "
                          f"{PLANE_BLOCK}")
