@@ -34,3 +34,15 @@ def lines_per_program(next_weight, max_bytes: int, programs: int) -> int:
     lines = triton.cdiv(min(next_weight.numel() * next_weight.element_size(), max_bytes),
                         LINE_BYTES)
     return triton.next_power_of_2(triton.cdiv(lines, programs))
+
+
+def hint(next_weight, max_bytes: int, programs: int, stand_in, off: bool = False
+         ) -> tuple[object, int, dict]:
+    """A launch's hint operands: (pointer, total elements, the PF_LINES / PF_LINE constexprs)
+    for `programs` programs warming the first max_bytes of next_weight; stand_in is passed
+    where there is no hint (next_weight None, max_bytes 0, or off: Triton's interpreter)."""
+    lines = 0 if off else lines_per_program(next_weight, max_bytes, programs)
+    if lines == 0:
+        return stand_in, 0, dict(PF_LINES=0, PF_LINE=1)
+    return (next_weight, next_weight.numel(),
+            dict(PF_LINES=lines, PF_LINE=LINE_BYTES // next_weight.element_size()))

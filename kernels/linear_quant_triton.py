@@ -39,7 +39,8 @@ from .linear_triton import _split_k
 from .tickets import ticket_counters
 from .dequant_triton import dequantize
 from .linear_quant import linear_quant_ref
-from .quant import PLANE_BLOCK, QuantizedWeight
+from .l2_prefetch import hint as l2_hint
+from .quant import PLANE_BLOCK, QuantizedWeight, stored
 from .tuning import DEFAULT, LinearConfig, QuantLinearTuning  # noqa: F401 (tests)
 
 # Triton's CPU interpreter gets bf16 tl.dot wrong; there the operands go through fp32.
@@ -143,18 +144,18 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 # for the kernel before it, whose output x is.
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-                  res_ptr, g_ptr, ss_out_ptr, ss_in_ptr, M, N, K, k_per_split, sx, sr, sres,
-                  n_ss, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                  res_ptr, g_ptr, ss_out_ptr, ss_in_ptr, pf_ptr, M, N, K, k_per_split, sx, sr,
+                  sres, n_ss, pf_total, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                   HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
                   ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT: tl.constexpr,
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                  ONE_PASS: tl.constexpr):
+                  ONE_PASS: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale, x through the
     prologue (_x_tile, or _w8_step's one-pass norm). The epilogue:
     quant_tiles_triton.finish_tile, as the int4 kernel's (its residual res, the next
-    norm's weight nw)."""
+    norm's weight nw); PF_LINES: the L2 hint (kernels/l2_prefetch.py) after the loop."""
     rm, rn, m_ok, n_ok, k_lo, k_hi, pid_n = qt.tile_ids(M, N, K, k_per_split, BLOCK_M,
                                                         BLOCK_N)
     dtype = out_ptr.dtype.element_ty
@@ -186,6 +187,7 @@ def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, w
         w = _w8_tile(w_rows, k0, k_hi, n_ok, BLOCK_K)
         acc, ss = _w8_step(acc, ss, w, *prologue, k0, k_hi, m_ok, rstd, writes_sum, dtype,
                            NORM, HAS_RES, GATED, DOT, UPCAST, ONE_PASS, BLOCK_K)
+    tiles.warm_next(pf_ptr, pf_total, PF_LINES, PF_LINE)
     if BLOCK_M == 1:  # the row's products, reduced once
         acc = tl.sum(acc, axis=1)[None, :]
     if ONE_PASS:
@@ -242,14 +244,15 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
             config: LinearConfig | None, t: QuantLinearTuning,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0, gated: bool = False, res_out: torch.Tensor | None = None,
-            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, ...]:
+            norm_out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
+            prefetch=None, prefetch_bytes: int = 0) -> tuple[torch.Tensor, ...]:
     """(out, summed): the projection of x through the prologue (fp8 only: the RMSNorm of
     x + residual by norm_weight, or silu(gate) * up when gated), and x + residual (x itself
     without a residual or a norm). res_out: a residual added to the output; norm_out: with
     res_out, the next norm's weight, and then (out, summed, g, ss) come back
     (linear_fused_triton.Prenormed); row_scale: a Prenormed's ss, x being its g (eps: the
-    norm's)."""
+    norm's); prefetch: the next projection's weight (a tensor or a QuantizedWeight), whose
+    first prefetch_bytes the programs ask L2 for after their loop (kernels/l2_prefetch.py)."""
     m = x.shape[0]
     n, k = weight.shape
     int4 = weight.format == "int4"
@@ -290,7 +293,8 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     g_out, ss_out = (g, ss) if norm_out is not None else (out, out)
     ss_in = row_scale if row_scale is not None else out
     dependent = pdl.enabled(x) and (config.block_m == 1 or t.pdl_tensor_cores)
-    meta = dict(HAS_BIAS=bias is not None, RES_OUT=res_out is not None,
+    *pf, pf_meta = l2_hint(stored(prefetch), prefetch_bytes, grid[0] * grid[1], x, _INTERPRET)
+    meta = dict(**pf_meta, HAS_BIAS=bias is not None, RES_OUT=res_out is not None,
                 NORM_OUT=norm_out is not None, ROW_SCALE=row_scale is not None, SPLIT=split,
                 BLOCK_SS=triton.next_power_of_2(max(n_ss, 1)), BLOCK_M=config.block_m,
                 BLOCK_N=config.block_n, BLOCK_K=bk, STAGES=config.num_stages, PDL=dependent,
@@ -301,16 +305,16 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
     if int4:
         z = weight.zero if weight.zero is not None else weight.scale
         _w4a16_kernel[grid](x, weight.data.view(torch.int16), weight.scale, z, b, out, ws,
-                            counters, res, nw, g_out, ss_out, ss_in, m, n, k, k // 4,
+                            counters, res, nw, g_out, ss_out, ss_in, pf[0], m, n, k, k // 4,
                             k_per_split, x.stride(0), weight.scale.stride(1), z.stride(1),
-                            res.stride(0), n_ss, eps, GROUP=group,
+                            res.stride(0), n_ss, pf[1], eps, GROUP=group,
                             HAS_ZERO=weight.zero is not None, ASM=not _INTERPRET, **meta)
     else:
         r = residual if residual is not None else x
         one_pass = t.one_pass_norm and norm_weight is not None and split == 1
         _w8a16_kernel[grid](x, r, nw, summed, weight.data, weight.scale, b, out, ws, counters,
-                            res, g_out, ss_out, ss_in, m, n, k, k_per_split, x.stride(0),
-                            r.stride(0), res.stride(0), n_ss, eps,
+                            res, g_out, ss_out, ss_in, pf[0], m, n, k, k_per_split,
+                            x.stride(0), r.stride(0), res.stride(0), n_ss, pf[1], eps,
                             NORM=norm_weight is not None,
                             HAS_RES=residual is not None, GATED=gated,
                             DOT=config.block_m > 1, UPCAST=_INTERPRET, ONE_PASS=one_pass,
@@ -321,18 +325,20 @@ def _launch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
 
 
 def linear_quant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 config: LinearConfig | None = None, t: QuantLinearTuning = _TUNING
-                 ) -> torch.Tensor:
+                 config: LinearConfig | None = None, t: QuantLinearTuning = _TUNING,
+                 prefetch=None, prefetch_bytes: int = 0) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype. config: a forced tile (tests);
-    its split_k is the K split."""
+    its split_k is the K split. prefetch, prefetch_bytes (here and below): the L2 hint for
+    the next projection's weight (_launch)."""
+    warm = dict(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
     if config is None and takes_w8a8(x, weight, t):
         q, scale, _ = quantize_rows(x)
-        return matmul_rows(q, scale, weight, bias, x.dtype, t)
+        return matmul_rows(q, scale, weight, bias, x.dtype, t, **warm)
     if not supported(x, weight, t.max_rows if config is None else x.shape[0]):
         if supported(x, weight, x.shape[0]):  # many rows: the dense GEMM on a one-pass copy
             return F.linear(x, dequantize(weight, x.dtype, t), bias)
         return linear_quant_ref(x, weight, bias)
-    return _launch(x, weight, bias, config, t)[0]
+    return _launch(x, weight, bias, config, t, **warm)[0]
 
 
 def takes_w8a8(x: torch.Tensor, weight: QuantizedWeight, t: QuantLinearTuning = _TUNING,
@@ -362,41 +368,45 @@ def _fuses(x: torch.Tensor, weight: QuantizedWeight, config: LinearConfig | None
 def norm_linear_quant(x: torch.Tensor, residual: torch.Tensor | None,
                       norm_weight: torch.Tensor, eps: float, weight: QuantizedWeight,
                       bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                      t: QuantLinearTuning = _TUNING) -> tuple[torch.Tensor, torch.Tensor]:
+                      t: QuantLinearTuning = _TUNING, prefetch=None, prefetch_bytes: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear_quant(rms_norm(x + residual)), x + residual): one kernel at one row, else the
     norm kernel then linear_quant (W8A8: the norm kernel quantizes its rows). Reference:
     linear_quant.norm_linear_quant_ref."""
+    warm = dict(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
     if (config is None and takes_w8a8(x, weight, t)
             and (residual is None or residual.shape == x.shape)
             and all(v.dtype == x.dtype and v.is_contiguous()
                     for v in (residual, norm_weight) if v is not None)):
         q, scale, summed = quantize_rows(x, residual, norm_weight, eps)
-        return matmul_rows(q, scale, weight, bias, x.dtype, t), summed
+        return matmul_rows(q, scale, weight, bias, x.dtype, t, **warm), summed
     if (not _fuses(x, weight, config, t) or not supported(x, weight, x.shape[0], 1, residual,
                                                   norm_weight)
             or (residual is not None and residual.shape != x.shape)):
         from .linear_triton import _norm
 
         normed, summed = _norm(x, residual, norm_weight, eps)
-        return linear_quant(normed, weight, bias, config, t), summed
-    return _launch(x, weight, bias, config, t, residual, norm_weight, eps)
+        return linear_quant(normed, weight, bias, config, t, **warm), summed
+    return _launch(x, weight, bias, config, t, residual, norm_weight, eps, **warm)
 
 
 def silu_mul_linear_quant(gate_up: torch.Tensor, weight: QuantizedWeight,
                           bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                          t: QuantLinearTuning = _TUNING) -> torch.Tensor:
+                          t: QuantLinearTuning = _TUNING, prefetch=None,
+                          prefetch_bytes: int = 0) -> torch.Tensor:
     """linear_quant(silu(gate) * up): the activation in the kernel's prologue (_fuses), else
     the activation kernel then linear_quant (W8A8: silu * up quantized in one kernel).
     Reference: linear_quant.silu_mul_linear_quant_ref."""
+    warm = dict(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
     if config is None and takes_w8a8(gate_up, weight, t, gated=True):
         q, scale, _ = quantize_rows(gate_up, gated=True)
-        return matmul_rows(q, scale, weight, bias, gate_up.dtype, t)
+        return matmul_rows(q, scale, weight, bias, gate_up.dtype, t, **warm)
     if (not _fuses(gate_up, weight, config, t)
             or not supported(gate_up, weight, gate_up.shape[0], 2)):
         from .activation_triton import silu_mul
 
-        return linear_quant(silu_mul(gate_up), weight, bias, config, t)
-    return _launch(gate_up, weight, bias, config, t, gated=True)[0]
+        return linear_quant(silu_mul(gate_up), weight, bias, config, t, **warm)
+    return _launch(gate_up, weight, bias, config, t, gated=True, **warm)[0]
 
 
 def takes_epilogue(x: torch.Tensor, weight: QuantizedWeight, width: int = 1,
@@ -410,30 +420,36 @@ def takes_epilogue(x: torch.Tensor, weight: QuantizedWeight, width: int = 1,
 
 def linear_quant_add(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor,
                      next_norm: torch.Tensor | None = None, gated: bool = False,
-                     t: QuantLinearTuning = _TUNING) -> torch.Tensor | Prenormed:
+                     t: QuantLinearTuning = _TUNING, prefetch=None, prefetch_bytes: int = 0
+                     ) -> torch.Tensor | Prenormed:
     """The projection of x (of silu(gate) * up when gated, x being [gate | up]) plus the
     residual stream, the add in the kernel's epilogue: o and down. next_norm: the weight of
     the RMSNorm after it; the result is then a Prenormed. Where the kernel does not take the
     rows (takes_epilogue), the projection and a plain add."""
+    warm = dict(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
     if not takes_epilogue(x, weight, 2 if gated else 1, t) or (
             residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype
             or residual.stride(-1) != 1 or next_norm is not None and not next_norm.is_contiguous()):
-        h = (silu_mul_linear_quant(x, weight, t=t) if gated else linear_quant(x, weight, t=t))
+        h = (silu_mul_linear_quant(x, weight, t=t, **warm) if gated
+             else linear_quant(x, weight, t=t, **warm))
         return h + residual
     if gated and not _fuses(x, weight, None, t):
         from .activation_triton import silu_mul
 
         x, gated = silu_mul(x), False
-    out = _launch(x, weight, None, None, t, gated=gated, res_out=residual, norm_out=next_norm)
+    out = _launch(x, weight, None, None, t, gated=gated, res_out=residual, norm_out=next_norm,
+                  **warm)
     return out[0] if next_norm is None else Prenormed(out[0], out[2], out[3], next_norm)
 
 
 def prenormed_linear_quant(p: Prenormed, eps: float, weight: QuantizedWeight,
-                           bias: torch.Tensor | None = None,
-                           t: QuantLinearTuning = _TUNING) -> torch.Tensor:
+                           bias: torch.Tensor | None = None, t: QuantLinearTuning = _TUNING,
+                           prefetch=None, prefetch_bytes: int = 0) -> torch.Tensor:
     """The projection of rms_norm(p.h) by p.norm_weight from its Prenormed form: p.g as the
     input, 1 / rms from p.ss scaling the sums; where the kernel does not take the rows, the
     norm and the projection (norm_linear_quant)."""
     if not takes_epilogue(p.g, weight, 1, t) or bias is not None and not bias.is_contiguous():
-        return norm_linear_quant(p.h, None, p.norm_weight, eps, weight, bias, t=t)[0]
-    return _launch(p.g, weight, bias, None, t, eps=eps, row_scale=p.ss)[0]
+        return norm_linear_quant(p.h, None, p.norm_weight, eps, weight, bias, t=t,
+                                 prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
+    return _launch(p.g, weight, bias, None, t, eps=eps, row_scale=p.ss, prefetch=prefetch,
+                   prefetch_bytes=prefetch_bytes)[0]

@@ -12,6 +12,15 @@ from .l2_prefetch import prefetch_l2
 
 
 @triton.jit
+def warm_next(pf_ptr, pf_total, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
+    """The program's share of the L2 hint for the next projection's weight, called once its
+    own weight loads are all issued (kernels/l2_prefetch.py); PF_LINES 0: no hint."""
+    if PF_LINES > 0:
+        prefetch_l2(pf_ptr, pf_total, tl.program_id(0) + tl.program_id(1) * tl.num_programs(0),
+                    PF_LINES, PF_LINE)
+
+
+@triton.jit
 def _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype: tl.constexpr,
                 NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr):
     """The projection's input for K columns ks: x, or silu(gate) * up, or the RMSNorm of
@@ -199,9 +208,7 @@ def project(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, sum_ptr, ss_ptr, pf_ptr, M, N, K
         acc, acc_up, ss = _step(acc, acc_up, ss, wv, w_up, x_rows, r_rows, nw_ptr, sum_rows, K,
                                 ks, k_ok, m_ok, rstd, writes_sum, dtype, NORM, HAS_RES, GATED,
                                 ONE_PASS, SILU_OUT, BLOCK_M, UPCAST)
-    if PF_LINES > 0:  # own weights all requested: warm L2 with the next projection's
-        prefetch_l2(pf_ptr, pf_total, tl.program_id(0) + tl.program_id(1) * tl.num_programs(0),
-                    PF_LINES, PF_LINE)
+    warm_next(pf_ptr, pf_total, PF_LINES, PF_LINE)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
         if SILU_OUT:

@@ -34,7 +34,7 @@ from . import linear_tiles_triton as tiles
 from . import pdl
 from .all_reduce_triton import Push, pair_words, push_words
 from .gather_triton import Landing, land_tile, wait_and_place
-from .l2_prefetch import LINE_BYTES, lines_per_program
+from .l2_prefetch import hint as l2_hint
 from .activation_triton import silu_mul
 from .norm_rope_triton import add_rms_norm, rms_norm
 from .tuning import DEFAULT, LinearConfig, LinearTuning
@@ -293,14 +293,11 @@ def _launch(x, residual, norm_weight, eps, weight, bias, config: LinearConfig | 
     peers = push.areas if push is not None else gather  # this rank among the ranks, or None
     ranks = (dict(RANK=peers.rank, WORLD=peers.world) if peers is not None
              else dict(RANK=0, WORLD=1))
-    pf_lines = 0 if _INTERPRET else lines_per_program(prefetch, prefetch_bytes,
-                                                      grid[0] * grid[1])
+    *pf, pf_meta = l2_hint(prefetch, prefetch_bytes, grid[0] * grid[1], x, _INTERPRET)
     loop = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 STAGES=cfg.num_stages, UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
-                PDL=dependent, PF_LINES=pf_lines,
-                PF_LINE=LINE_BYTES // (prefetch.element_size() if pf_lines else 1),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=dependent)
-    pf = (prefetch if pf_lines else x, prefetch.numel() if pf_lines else 0)
+                PDL=dependent, **pf_meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                launch_pdl=dependent)
     if gather is not None or (push is not None and split == 1):
         _linear_send_kernel[grid](
             x, weight, out, ws, pf[0], *push_ptrs,

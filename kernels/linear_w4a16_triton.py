@@ -114,19 +114,21 @@ def _w4_step(acc, halves, x_cols, s_rows, z_rows, ssg, szg, k0, m_ok, n_ok,
 
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r_ptr, nw_ptr,
-                  g_ptr, ss_out_ptr, ss_in_ptr, M, N, K, KH, k_per_split, sx, ssg, szg, sr,
-                  n_ss, eps, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  g_ptr, ss_out_ptr, ss_in_ptr, pf_ptr, M, N, K, KH, k_per_split, sx, ssg, szg,
+                  sr, n_ss, pf_total, eps, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                   HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
                   ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ASM: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                  ASM: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                  PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     """int4 weight [N, K / 4] int16 in plane order (kernels/quant.py; stored as q + 8), fp32
     scale and int8 zero point [N, K / GROUP] group-major (group strides ssg, szg): out = sum
     over groups of (x @ (q - zero).T) * scale, computed as its transpose [BLOCK_N, BLOCK_M]
     (the module docstring). BLOCK_K is whole 64-column blocks inside one group, or one block
     for groups of 16 or 32; KH = K / 4, the halves a row, passed so that Triton sees its
     alignment (vector loads). The epilogue: quant_tiles_triton.finish_tile (ROW_SCALE: x is
-    a Prenormed's g, its rows' 1 / rms from ss_in [n_ss, M])."""
+    a Prenormed's g, its rows' 1 / rms from ss_in [n_ss, M]); PF_LINES: the L2 hint
+    (kernels/l2_prefetch.py) after the loop."""
     rm, rn, m_ok, n_ok, k_lo, k_hi, pid_n = qt.tile_ids(M, N, K, k_per_split, BLOCK_M,
                                                         BLOCK_N)
     dtype = out_ptr.dtype.element_ty
@@ -149,6 +151,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r
     for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
         acc = _w4_step(acc, _halves(w_rows, k0, n_ok, BLOCK_K), *terms, k0, m_ok, n_ok, dtype,
                        GROUP, HAS_ZERO, ASM, BLOCK_N, BLOCK_K)
+    tiles.warm_next(pf_ptr, pf_total, PF_LINES, PF_LINE)
     if ROW_SCALE:
         acc = acc * tiles.row_rstd(ss_parts, K, eps)[None, :]
     qt.finish_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, b_ptr, r_ptr, nw_ptr, g_ptr,

@@ -21,10 +21,12 @@ import triton.language as tl
 
 from . import pdl
 from .linear_fp8_rows import scaled_mm
+from . import linear_tiles_triton as tiles
 from . import quant_tiles_triton as qt
 from .linear_triton import _split_k
 from .tickets import ticket_counters
-from .quant import QuantizedWeight
+from .l2_prefetch import hint as l2_hint
+from .quant import QuantizedWeight, stored
 from .tuning import DEFAULT, QuantLinearTuning
 
 # Triton's CPU interpreter has no fp8 dot: there the operands go through fp32.
@@ -32,14 +34,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
-                 k_per_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, pf_ptr, M, N,
+                 K, k_per_split, pf_total, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+                 STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                 PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     """x [M, K] e4m3, xs [M] fp32, w [N, K] e4m3, ws [N] fp32: the program (column block,
     K split) over every row (M <= BLOCK_M) stores (x @ w.T) * xs * ws (+ bias), or under a
     split the last program of the column block to finish sums the fp32 partials
-    (quant_tiles_triton.finish_tile)."""
+    (quant_tiles_triton.finish_tile); PF_LINES: the L2 hint (kernels/l2_prefetch.py) after
+    the loop."""
     pdl.prologue(PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,6 +62,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    tiles.warm_next(pf_ptr, pf_total, PF_LINES, PF_LINE)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     qt.finish_tile(acc, out_ptr, part_ptr, cnt_ptr, b_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
@@ -71,11 +76,12 @@ def _runs_here(q: torch.Tensor) -> bool:
 
 def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
                 bias: torch.Tensor | None, out_dtype: torch.dtype,
-                t: QuantLinearTuning = DEFAULT.quant_linear, split: int | None = None
-                ) -> torch.Tensor:
+                t: QuantLinearTuning = DEFAULT.quant_linear, split: int | None = None,
+                prefetch=None, prefetch_bytes: int = 0) -> torch.Tensor:
     """Rows already quantized (q [M, K] e4m3, scale [M, 1] fp32) @ weight.T (+ bias) -> [M, N]
     in out_dtype: this kernel up to t.w8a8_triton_max_rows rows, torch._scaled_mm above.
-    split: a forced K split (tests)."""
+    split: a forced K split (tests); prefetch, prefetch_bytes: the L2 hint for the next
+    projection's weight (linear_quant_triton._launch)."""
     m, k = q.shape
     n = weight.shape[0]
     if m > t.w8a8_triton_max_rows or not _runs_here(q):
@@ -91,9 +97,11 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
     dependent = pdl.enabled(q)
     b = bias if bias is not None else out
     counters = ticket_counters(q.device, triton.cdiv(n, bn)) if split > 1 else out
+    *pf, pf_meta = l2_hint(stored(prefetch), prefetch_bytes, triton.cdiv(n, bn) * split, out,
+                           _INTERPRET)
     _w8a8_kernel[(triton.cdiv(n, bn), split)](
-        q, scale, weight.data, weight.scale, b, out, part, counters, m, n, k, k_per_split,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        q, scale, weight.data, weight.scale, b, out, part, counters, pf[0], m, n, k,
+        k_per_split, pf[1], **pf_meta, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=bn, BLOCK_K=bk, STAGES=t.w8a8_stages, UPCAST=_INTERPRET,
         PDL=dependent, num_warps=t.w8a8_warps, num_stages=t.w8a8_stages, launch_pdl=dependent)
     return out

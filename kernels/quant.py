@@ -134,6 +134,12 @@ def plane_group(group_size) -> bool:
         group_size in (16, 32) or group_size % PLANE_BLOCK == 0)
 
 
+def stored(weight):
+    """The tensor a projection streams for this weight: a QuantizedWeight's stored data (its
+    scales are a small share), a dense weight itself; None stays None."""
+    return weight.data if isinstance(weight, QuantizedWeight) else weight
+
+
 def _group_major(t: torch.Tensor) -> torch.Tensor:
     """t [N, G] with its N values of each group adjacent in memory."""
     return t if t.stride() == (1, t.shape[0]) else t.t().contiguous().t()

@@ -10,7 +10,8 @@ the kernels take the rows, a quantized o or down adds the residual in its epilog
 the next norm (a Prenormed, as the bf16 FusedOps), which the quantized qkv or gate_up after
 it finishes: no norm kernel runs between two quantized projections. Otherwise the add is left
 to the next norm. On a tensor-parallel rank the quantized o and down return their partial
-sums for the all-reduce, the residual passed on."""
+sums for the all-reduce, the residual passed on. The Triton set's projections warm L2 with the
+next projection's weight, as the dense ones do (kernels/l2_prefetch.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from typing import Callable
 
 from . import Normed, Ops, Prenormed
 from .quant import QuantizedWeight
+from .weight_order import WeightOrder
 
 
 def _quantized(weight) -> bool:
@@ -44,6 +46,21 @@ class QuantizedOps:
     # (x, QuantizedWeight, width) -> whether qlinear_add fuses the add for these rows (width 2:
     # x is [gate | up])
     qtakes_epilogue: Callable | None = None
+    # The L2 hint (Triton sets): the model's weights in launch order, and how many bytes of
+    # the next weight each quantized projection asks L2 for.
+    order: WeightOrder | None = None
+    prefetch_bytes: int = 0
+
+    def _warm(self, weight) -> dict:
+        if self.order is None or self.prefetch_bytes <= 0:
+            return {}
+        return dict(prefetch=self.order.next(weight), prefetch_bytes=self.prefetch_bytes)
+
+    def link_weights(self, weights) -> None:
+        if self.base.link_weights is not None:
+            self.base.link_weights(weights)
+        if self.order is not None:
+            self.order.link(weights)
 
     def _adds(self, x, weight, width: int) -> bool:
         """Whether o or down adds the residual in its epilogue: not on a rank, and only where
@@ -53,32 +70,34 @@ class QuantizedOps:
 
     def linear(self, x, weight, bias=None):
         if _quantized(weight):
-            return self.qlinear(x, weight, bias)
+            return self.qlinear(x, weight, bias, **self._warm(weight))
         return self.base.linear(x, weight, bias)
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, **kwargs):
         if not _quantized(weight):
             return self.base.norm_linear(x, residual, norm_weight, eps, weight, bias, **kwargs)
+        warm = self._warm(weight)
         if isinstance(x, Normed):  # a rank's input, normed by the all-reduce before it
-            return self.qlinear(x.x, weight, bias), x.summed
+            return self.qlinear(x.x, weight, bias, **warm), x.summed
         if _prenormed_by(x, norm_weight) and self.qprenormed_linear is not None:
-            return self.qprenormed_linear(x, eps, weight, bias), x.h
+            return self.qprenormed_linear(x, eps, weight, bias, **warm), x.h
         if isinstance(x, Prenormed):  # the stream summed already, by o or down before it
             x, residual = x.h, None
-        return self.qnorm_linear(x, residual, norm_weight, eps, weight, bias)
+        return self.qnorm_linear(x, residual, norm_weight, eps, weight, bias, **warm)
 
     def silu_mul_linear(self, gate_up, weight, bias=None):
         if _quantized(weight):
-            return self.qsilu_mul_linear(gate_up, weight, bias)
+            return self.qsilu_mul_linear(gate_up, weight, bias, **self._warm(weight))
         return self.base.silu_mul_linear(gate_up, weight, bias)
 
     def out_linear(self, x, weight, residual, next_norm=None, **kwargs):
         if not _quantized(weight):
             return self.base.out_linear(x, weight, residual, next_norm, **kwargs)
         if residual is not None and self._adds(x, weight, 1):
-            return self.qlinear_add(x, weight, residual, next_norm, False), None
+            return self.qlinear_add(x, weight, residual, next_norm, False,
+                                    **self._warm(weight)), None
         # the add goes to the next norm (or, on a rank, the all-reduce)
-        return self.qlinear(x, weight), residual
+        return self.qlinear(x, weight, **self._warm(weight)), residual
 
     def mlp(self, x, residual, norm_weight, eps, gate_up, down, next_norm=None, **kwargs):
         if not _quantized(down):
@@ -86,7 +105,7 @@ class QuantizedOps:
                                  **kwargs)
         h, summed = self.norm_linear(x, residual, norm_weight, eps, gate_up)
         if self._adds(h, down, 2):
-            return self.qlinear_add(h, down, summed, next_norm, True), None
+            return self.qlinear_add(h, down, summed, next_norm, True, **self._warm(down)), None
         return self.silu_mul_linear(h, down), summed
 
     def for_rank(self, rank: int) -> Ops:
@@ -98,6 +117,7 @@ class QuantizedOps:
                        norm_linear=self.norm_linear, silu_mul_linear=self.silu_mul_linear,
                        out_linear=None if b.out_linear is None else self.out_linear,
                        mlp=None if b.mlp is None else self.mlp,
+                       link_weights=self.link_weights,
                        for_rank=None if b.for_rank is None else self.for_rank)
 
 
@@ -119,4 +139,5 @@ def quantized_triton_ops(base: Ops, tuning) -> Ops:
                         partial(lq.silu_mul_linear_quant, t=t),
                         partial(lq.linear_quant_add, t=t),
                         partial(lq.prenormed_linear_quant, t=t),
-                        partial(lq.takes_epilogue, t=t)).ops()
+                        partial(lq.takes_epilogue, t=t), WeightOrder(),
+                        t.l2_prefetch_bytes).ops()

@@ -35,6 +35,7 @@ def tile_ids(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
     k_lo = tl.program_id(1) * k_per_split
     return rm, rn, rm < M, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K), pid_n
 
+
 @triton.jit
 def _epilogue(acc, out_ptr, b_ptr, r_ptr, nw_ptr, g_ptr, ss_ptr, rm, rn, m_ok, n_ok, tile, M,
               N, sr, HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr):

@@ -112,6 +112,12 @@ class QuantLinearTuning:
     # 3.068 / 3.739 / 5.550 ms without, 3.933 / 3.742 / 6.521 with; fp8 at 16: 4.308
     # against 4.645; fp8 at one row: 3.227 with, 3.344 without.
     pdl_tensor_cores: bool = False
+    # Bytes of the next projection's weight each quantized projection warms in L2 once its
+    # own loads are issued (kernels/l2_prefetch.py; LinearTuning.l2_prefetch for bf16).
+    # llama-8b on an H100, fp8 / int4 at batch 1, 16, 64 (ms): none 3.232 4.464 4.705 /
+    # 3.055 3.702 5.516; 2 MiB 3.163 4.417 4.640 / 3.001 3.671 5.497; 4 MiB 3.133 4.336 4.629
+    # / 2.979 3.593 5.450; 8 MiB 3.255 4.303 4.730 / 3.035 3.592 5.595.
+    l2_prefetch_bytes: int = 4 << 20
     # The dense copy's kernel (kernels/dequant_triton.py): a program's tile.
     dequant_block_n: int = 16
     dequant_block_k: int = 256

@@ -359,3 +359,28 @@ def test_residual_epilogue_begins_the_norm_the_next_projection_ends(m, block_m, 
     want = prenormed_linear_quant_ref(lq.Prenormed(h.float(), g, ss, nw.float()), 1e-5, qw2)
     _check(out, want.to(dtype), dtype, "reduction")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
+                    reason="the interpreter runs no inline PTX: no hint is issued")
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_l2_hint_changes_no_quantized_result(m):
+    """The quantized projections warm L2 with the next weight (kernels/l2_prefetch.py) as the
+    dense ones do: W8A16, W4A16 and W8A8 give the same bits with the hint as without."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels.l2_prefetch import lines_per_program
+
+    h, inter = 2048, 4096
+    x, res = _randn((m, inter), torch.bfloat16, 81), _randn((m, h), torch.bfloat16, 82)
+    nxt = quantize_int4(_randn((3 * h, h), torch.float32, 83))
+    assert lines_per_program(nxt.data, 4 << 20, 64) > 0
+    weights = [quantize_fp8(_randn((h, inter), torch.float32, 84, inter ** -0.5)),
+               quantize_int4(_randn((h, inter), torch.float32, 85, inter ** -0.5))]
+    runs = []
+    for hint in (dict(), dict(prefetch=nxt, prefetch_bytes=4 << 20)):
+        runs.append([f(w) for w in weights for f in (
+            lambda w: lq.linear_quant(x, w, **hint),
+            lambda w: lq.linear_quant_add(x, w, res, **hint))])
+    for plain, hinted in zip(*runs):
+        assert torch.equal(plain, hinted)

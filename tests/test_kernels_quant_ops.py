@@ -151,3 +151,36 @@ def test_a_dense_layer_before_a_quantized_one():
     want, want_sum = ref.norm_linear(stream, None, nw, 1e-5, qkv[1])
     torch.testing.assert_close(got_sum.float(), want_sum.float(), atol=8e-2, rtol=4e-2)
     torch.testing.assert_close(got.float(), want.float(), atol=8e-2, rtol=4e-2)
+
+
+def test_each_quantized_projection_warms_the_one_after_it():
+    """The Triton set passes each quantized projection the weight the model launches next
+    (Ops.link_weights) and QuantLinearTuning.l2_prefetch_bytes; the reference set no hint."""
+    from graphexec.kernels.quant_ops import QuantizedOps
+    from graphexec.kernels.weight_order import WeightOrder
+
+    shapes = dict(qkv=(3 * HID, HID), o=(HID, HID), gate_up=(2 * INTER, HID), down=(HID, INTER))
+    layer = {name: quantize_int4(torch.randn(s), 64) for name, s in shapes.items()}
+    lm_head = torch.zeros(8, HID)
+    calls = []
+
+    def record(name):
+        return lambda *args, **hint: calls.append((name, hint.get("prefetch"),
+                                                   hint.get("prefetch_bytes"))) or (None, None)
+
+    def no_hint(*args, **hint):
+        assert not hint
+        return None, None
+
+    for order, nbytes in ((WeightOrder(), 1 << 20), (None, 0)):
+        fn = record if order is not None else (lambda name: no_hint)
+        ops = QuantizedOps(REFERENCE_OPS, fn("linear"), fn("norm_linear"), fn("silu_mul"),
+                           order=order, prefetch_bytes=nbytes).ops()
+        ops.link_weights([layer["qkv"], layer["o"], layer["gate_up"], layer["down"], lm_head])
+        x = torch.zeros(1, HID)
+        ops.norm_linear(x, None, torch.ones(HID), 1e-5, layer["qkv"])
+        ops.linear(x, layer["o"])
+        ops.norm_linear(x, None, torch.ones(HID), 1e-5, layer["gate_up"])
+        ops.silu_mul_linear(torch.zeros(1, 2 * INTER), layer["down"])
+    assert calls == [("norm_linear", layer["o"], 1 << 20), ("linear", layer["gate_up"], 1 << 20),
+                     ("norm_linear", layer["down"], 1 << 20), ("silu_mul", lm_head, 1 << 20)]

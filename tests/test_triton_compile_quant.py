@@ -148,6 +148,35 @@ def test_quantized_projections_with_programmatic_dependent_launch(compiled, monk
     assert [k.metadata.launch_pdl for _, k in compiled] == [False, True]
 
 
+def test_quantized_projections_warm_the_next_weight(compiled, monkeypatch):
+    """Given the next projection's weight, W8A16, W4A16 and W8A8 ask L2 for its first bytes
+    (prefetch.global.L2::evict_last) once their own loads are issued; without, they ask for
+    nothing."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels import linear_w8a8_triton as w8
+    from graphexec.kernels.linear_fp8_rows import quantize_rows
+    from graphexec.kernels.quant import quantize_fp8, quantize_int4
+
+    monkeypatch.setattr(lq, "supported", lambda x, w, max_rows, *a: x.shape[0] <= max_rows)
+    monkeypatch.setattr(w8, "_runs_here", lambda q: True)
+    h = 2048
+    nxt = quantize_int4(torch.randn(3 * h, h))
+    fp8 = quantize_fp8(torch.randn(h, h))
+    q, s = quantize_rows(_bf16(64, h))
+    for hint in (dict(prefetch=nxt, prefetch_bytes=1 << 20), dict()):
+        for m, w in ((1, fp8), (16, fp8), (1, quantize_int4(torch.randn(h, h)))):
+            lq.linear_quant(_bf16(m, h), w, **hint)
+        w8.matmul_rows(q, s, fp8, None, torch.bfloat16, **hint)
+    hinted = []
+    for name, kernel in compiled:
+        if name in ("_w8a16_kernel", "_w4a16_kernel", "_w8a8_kernel"):
+            consts = {kernel.src.fn.arg_names[i[0]]: v for i, v in kernel.src.constants.items()}
+            asks = "prefetch.global.L2::evict_last" in kernel.asm["ptx"]
+            assert asks == (consts["PF_LINES"] > 0), (name, consts)
+            hinted.append(asks)
+    assert hinted == [True] * 4 + [False] * 4
+
+
 def test_dequantize_kernel_compiles(compiled):
     from graphexec.kernels.dequant_triton import dequantize
     from graphexec.kernels.quant import quantize_fp8, quantize_int4
