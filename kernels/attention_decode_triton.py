@@ -187,12 +187,30 @@ def _decode_num_splits(b: int, hk: int, max_blocks: int, block_size: int, block_
                        device: torch.device,
                        tuning: AttentionTuning = DEFAULT.attention) -> int:
     """From host-known sizes only: enough programs to fill the GPU tuning.split_waves times
-    over, no more splits than tiles the block table can address."""
+    over, no more splits than tiles the block table can address. Where the rows fill it
+    alone, splits for the long contexts only (_decode_min_tiles): a row of runs of
+    long_split_tiles tiles each, up to long_max_splits."""
     max_tiles = max(1, triton.cdiv(max_blocks * block_size, block_n))
-    programs = max(1, b * hk)
-    target = tuning.split_waves * _sm_count(device)
-    splits = triton.cdiv(target, programs)
+    if _rows_fill(b, hk, device, tuning):
+        return max(1, min(triton.cdiv(max_tiles, tuning.long_split_tiles),
+                          tuning.long_max_splits))
+    splits = triton.cdiv(tuning.split_waves * _sm_count(device), max(1, b * hk))
     return max(1, min(splits, max_tiles, tuning.max_splits))
+
+
+def _rows_fill(b: int, hk: int, device: torch.device, tuning: AttentionTuning) -> bool:
+    """Whether a program per (row, KV head) fills the GPU tuning.split_waves times over (and
+    long contexts are split by length: tuning.long_split_tiles > 0)."""
+    return tuning.long_split_tiles > 0 and b * hk >= tuning.split_waves * _sm_count(device)
+
+
+def _decode_min_tiles(b: int, hk: int, device: torch.device,
+                      tuning: AttentionTuning = DEFAULT.attention) -> int:
+    """The fewest key tiles a split takes, with _decode_num_splits's count. One where splits
+    fill the GPU; where the rows fill it alone, long_split_tiles: a short row stays whole,
+    and a long one no longer keeps its program running long after the others finished."""
+    return tuning.long_split_tiles if _rows_fill(b, hk, device, tuning) else (
+        tuning.min_tiles_per_split)
 
 
 def _decode_blocks(d: int, rows: int | None = None,
@@ -261,8 +279,8 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """decode_attention with the split count forced (tests, tuning); None picks it from the
     shapes, as for a batch of split_rows rows when given (a mixed step's decode part, whose
     places are mostly inert rows that exit after one tile: capture/mixed.py). A row uses at
-    most that many splits, and no more than one per min_tiles tiles of its context
-    (tuning.min_tiles_per_split when None). rope = (k, v, positions, cos, sin,
+    most that many splits, and no more than one per min_tiles tiles of its context (when
+    None: _decode_min_tiles's with a picked count, else tuning.min_tiles_per_split). rope = (k, v, positions, cos, sin,
     slot_mapping): q, k unrotated, and the new k, v written by the kernel
     (rope_decode_attention). invariant: tiles that do not depend on the batch."""
     b, hq, d = q.shape
@@ -303,6 +321,8 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     m = block_tables.shape[1]
     if num_splits is None:
         num_splits = _decode_num_splits(split_rows or b, hk, m, bs, block_n, q.device, tuning)
+        if min_tiles is None:
+            min_tiles = _decode_min_tiles(split_rows or b, hk, q.device, tuning)
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, int(tuning.min_tiles_per_split if min_tiles is None else min_tiles))
     direct = num_splits == 1

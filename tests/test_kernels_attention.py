@@ -1,4 +1,5 @@
 """KV write, paged decode attention and varlen prefill attention against their references."""
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -105,12 +106,37 @@ def test_decode_attention_splits_as_hinted(K):
     ref = attn_ref.paged_decode_attention_ref(q, kc, vc, tables, sl, 0.125, split_rows=2)
     m = tables.shape[1]
     block_n = K.at._decode_blocks(d, b)[1]
-    own = K.at._decode_num_splits(b, hk, m, bs, block_n, q.device)
-    hinted = K.at._decode_num_splits(2, hk, m, bs, block_n, q.device)
+    # splits by the wave count alone (the interpreter's 8 "SMs" are filled by 64 rows)
+    t = replace(K.at.DEFAULT.attention, long_split_tiles=0)
+    own = K.at._decode_num_splits(b, hk, m, bs, block_n, q.device, t)
+    hinted = K.at._decode_num_splits(2, hk, m, bs, block_n, q.device, t)
     assert hinted > own
     for hint in (None, 2):
-        out = K.at.decode_attention(q, kbad, vbad, tables, sl, 0.125, split_rows=hint)
+        out = K.at.decode_attention(q, kbad, vbad, tables, sl, 0.125, split_rows=hint, tuning=t)
         _check(out, ref, dtype, "attention")
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_decode_attention_splits_long_rows_where_rows_fill_the_gpu(K):
+    """A program per (row, KV head) fills the GPU: only long rows split, in runs of
+    long_split_tiles tiles (serving's mix of short and long contexts), matching the
+    reference with the counters back at zero."""
+    t = K.at.DEFAULT.attention
+    dtype = torch.bfloat16
+    b, hk, d, bs = big(72, 8), 2, 64, 16
+    lens = [33] * (b - 3) + [1000, 2049, 513]
+    kc, vc, kbad, vbad, tables = _paged_cache(lens, hk, d, bs, dtype, 27)
+    q = _randn((b, 4 * hk, d), dtype, 28)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    block_n = K.at._decode_blocks(d, b)[1]
+    max_tiles = -(-tables.shape[1] * bs // block_n)
+    assert K.at._decode_min_tiles(b, hk, q.device) == t.long_split_tiles > 1
+    assert K.at._decode_num_splits(b, hk, tables.shape[1], bs, block_n, q.device) == min(
+        -(-max_tiles // t.long_split_tiles), t.long_max_splits) > 1
+    ref = attn_ref.paged_decode_attention_ref(q, kc, vc, tables, sl, 0.125)
+    _check(K.at.decode_attention(q, kbad, vbad, tables, sl, 0.125), ref, dtype, "attention")
+    assert int(ticket_counters(q.device, 1).abs().sum()) == 0
 
 
 @kernel_test
