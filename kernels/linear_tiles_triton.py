@@ -37,10 +37,17 @@ def _input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype: tl.const
         if HAS_RES:
             rv = tl.load(r_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
-        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
-        y = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
-        xv = (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+        xv = normed_tile(xv, nw_ptr, ks, k_ok, rstd, dtype)
     return xv
+
+
+@triton.jit
+def normed_tile(xv, nw_ptr, ks, k_ok, rstd, dtype: tl.constexpr):
+    """The RMSNorm of the summed tile xv by the norm weight, each row's 1 / rms given, rounded
+    as kernels/rmsnorm.py rounds (x / rms to the dtype, then the weight's product)."""
+    nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
+    y = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+    return (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
 
 
 @triton.jit

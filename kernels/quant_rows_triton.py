@@ -41,14 +41,15 @@ def _quant_rows_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, s_ptr, K, sx, sr, e
     k_ok = ks < K
     dtype = sum_ptr.dtype.element_ty  # x's dtype
     x_rows, r_rows = x_ptr + rm[:, None] * sx, r_ptr + rm[:, None] * sr
-    rstd = eps  # a placeholder unless NORM
-    if NORM:  # x + residual stored as the new residual stream, and its 1 / rms
-        xf = tiles._summed_tile(x_rows, r_rows, sum_ptr + rm[:, None] * K, ks,
-                                m_ok[:, None] & k_ok[None, :], True, dtype,
-                                HAS_RES).to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=1) / K + eps)
-    xf = tiles._input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, rstd, dtype, NORM,
-                           HAS_RES, GATED).to(tl.float32)
+    if NORM:  # x + residual stored as the new residual stream, then normed from registers
+        summed = tiles._summed_tile(x_rows, r_rows, sum_ptr + rm[:, None] * K, ks,
+                                    m_ok[:, None] & k_ok[None, :], True, dtype, HAS_RES)
+        sf = summed.to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(sf * sf, axis=1) / K + eps)
+        xf = tiles.normed_tile(summed, nw_ptr, ks, k_ok, rstd, dtype).to(tl.float32)
+    else:
+        xf = tiles._input_tile(x_rows, r_rows, nw_ptr, K, ks, k_ok, m_ok, eps, dtype, False,
+                               HAS_RES, GATED).to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)
     scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)  # 448: quant.FP8_MAX
     q = tl.clamp(tl.div_rn(xf, scale[:, None]), -448.0, 448.0)
