@@ -280,9 +280,9 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     shapes, as for a batch of split_rows rows when given (a mixed step's decode part, whose
     places are mostly inert rows that exit after one tile: capture/mixed.py). A row uses at
     most that many splits, and no more than one per min_tiles tiles of its context (when
-    None: _decode_min_tiles's with a picked count, else tuning.min_tiles_per_split). rope = (k, v, positions, cos, sin,
-    slot_mapping): q, k unrotated, and the new k, v written by the kernel
-    (rope_decode_attention). invariant: tiles that do not depend on the batch."""
+    None: _decode_min_tiles's with a picked count, else tuning.min_tiles_per_split).
+    rope = (k, v, positions, cos, sin, slot_mapping): q, k unrotated, and the new k, v written
+    by the kernel (rope_decode_attention). invariant: tiles that do not depend on the batch."""
     b, hq, d = q.shape
     nb, bs, hk, _ = k_cache.shape
     # fused: the cache's dtype or fp8 (the write converts) and a power-of-two head dim (q is

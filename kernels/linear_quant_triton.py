@@ -145,11 +145,11 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
                   res_ptr, g_ptr, ss_out_ptr, ss_in_ptr, pf_ptr, M, N, K, k_per_split, sx, sr,
-                  sres, n_ss, pf_total, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
-                  ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT: tl.constexpr,
+                  sres, n_ss, pf_total, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RES_OUT: tl.constexpr,
+                  NORM_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+                  BLOCK_SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
                   ONE_PASS: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     """fp8 e4m3 weight [N, K], fp32 scale [N]: out = (x @ q.T) * scale, x through the

@@ -101,7 +101,8 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
                            _INTERPRET)
     _w8a8_kernel[(triton.cdiv(n, bn), split)](
         q, scale, weight.data, weight.scale, b, out, part, counters, pf[0], m, n, k,
-        k_per_split, pf[1], **pf_meta, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=bn, BLOCK_K=bk, STAGES=t.w8a8_stages, UPCAST=_INTERPRET,
-        PDL=dependent, num_warps=t.w8a8_warps, num_stages=t.w8a8_stages, launch_pdl=dependent)
+        k_per_split, pf[1], **pf_meta, HAS_BIAS=bias is not None, SPLIT=split,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
+        STAGES=t.w8a8_stages, UPCAST=_INTERPRET, PDL=dependent, num_warps=t.w8a8_warps,
+        num_stages=t.w8a8_stages, launch_pdl=dependent)
     return out
