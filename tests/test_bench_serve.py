@@ -202,3 +202,22 @@ def test_end_to_end_offline_and_online_on_tiny(tmp_path, one_thread):
     assert len(steps["offline async"]["step_ms"]) == len(steps["offline async"]["t_s"]) > 0
     assert "| offline async | 12 |" in (tmp_path / "serve_tiny.md").read_text()
     assert saved["http_vs_in_process"] == []
+
+
+def test_profile_serve_lists_where_the_time_went_on_tiny(tmp_path, one_thread):
+    """tools/profile_serve.py on the CPU: both runs finish every request, and the table of
+    op times by name is sorted and sums to its total."""
+    import profile_serve
+
+    res = profile_serve.main(["--model", "tiny", "--num-requests", "6", "--prompt-median", "24",
+                              "--output-median", "8", "--warmup", "2", "--engine-option",
+                              "device=cpu", "--engine-option", "max_batch=4", "--out",
+                              str(tmp_path)])
+    assert res["device"] == "cpu" and res["steps"] > 0 and res["unprofiled_steps"] > 0
+    assert res["wall_s"] > 0 and res["unprofiled_wall_s"] > 0
+    ms = [k["ms"] for k in res["kernels"]]
+    assert ms and ms == sorted(ms, reverse=True)
+    assert res["total_ms"] == pytest.approx(sum(ms))
+    assert any("linear" in k["name"] or "mm" in k["name"] for k in res["kernels"])
+    with open(tmp_path / "profile_serve_tiny.json") as f:
+        assert json.load(f)["kernels"] == json.loads(json.dumps(res["kernels"]))
