@@ -86,15 +86,17 @@ def test_constrained_rows_follow_the_schema(bench):
         tok = bs.attach_tokenizer(llm, "tiny", detokenize=False)
         row = bs.run_mode(llm, "json_all", [[10 + i, 20, 30] for i in range(8)], 320, 1,
                           tok.decode, warmup=False)
-    assert row["constrained_finished"] >= 1, row
-    assert row["constrained_valid"] == row["constrained_finished"]
+    reasons = row["finish_reasons"]
+    assert reasons.count("stop") == row["constrained_finished"] >= 1, row
     done = 0
-    for text in row["texts"]:
+    for text, reason in zip(row["texts"], reasons):
         assert text.lstrip().startswith("{")
         try:
             obj = json.loads(text, strict=False)
         except ValueError:
-            continue  # cut at max_tokens
+            assert reason == "length"  # cut at max_tokens inside the object
+            continue
+        # a finished row, or one whose object closed on its last allowed token
         jsonschema.validate(obj, bs.SCHEMA)
         done += 1
-    assert done == row["constrained_finished"]
+    assert done == row["constrained_valid"] >= row["constrained_finished"]

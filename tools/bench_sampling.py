@@ -150,7 +150,8 @@ def run_mode(llm: LLM, mode: str, prompts: list[list[int]], new: int, repeats: i
         best.update(constrained_rows=len(rows),
                     constrained_tokens_mean=sum(len(o.token_ids) for o in rows) / len(rows),
                     constrained_finished=sum(o.finish_reason == "stop" for o in rows),
-                    constrained_valid=sum(map(json_valid, texts)), texts=texts)
+                    constrained_valid=sum(map(json_valid, texts)), texts=texts,
+                    finish_reasons=[o.finish_reason for o in rows])
     return dict(mode=mode, **best)
 
 
