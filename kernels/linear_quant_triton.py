@@ -207,13 +207,24 @@ def pick_config(m: int, n: int, k: int, group: int, int4: bool = False,
     cfg = t.config_for(m, n, int4)
     block_k = _int4_block_k(cfg.block_k, group) if int4 else min(cfg.block_k, group)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    if int4 and m == 1:
-        split = cfg.split_k
+    if int4 and m <= t.few_rows_max:
+        split = _int4_split(triton.cdiv(n, cfg.block_n) * cfg.block_n, k, block_k, t)
     else:
-        want = t.int4_many_rows_programs if int4 and m > t.few_rows_max else t.split_programs
+        want = t.int4_many_rows_programs if int4 else t.split_programs
         split = _split_k(programs, want, k, block_k)
     return LinearConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps,
                         cfg.num_stages), split
+
+
+def _int4_split(columns: int, k: int, block_k: int, t: QuantLinearTuning) -> int:
+    """The K split of an int4 weight at 1-16 rows (columns: its rows, padded to the tile): the
+    largest power of two that leaves each program t.int4_min_split_steps K steps and columns x
+    splits within t.int4_split_columns."""
+    split = 1
+    while ((k // block_k) // (2 * split) >= t.int4_min_split_steps
+           and columns * 2 * split <= t.int4_split_columns):
+        split *= 2
+    return split
 
 
 def _int4_block_k(block_k: int, group: int) -> int:

@@ -154,18 +154,23 @@ class QuantLinearTuning:
     few_rows: LinearConfig = LinearConfig(16, 32, 256)
     many_rows: LinearConfig = LinearConfig(64, 32, 128)
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
-    # int4: tensor-core tiles only (one row padded to 16), block_k cut to the group. One row
-    # splits K in int4_one_row.split_k, 2-16 rows until split_programs programs run, more
-    # until int4_many_rows_programs. On an H100 (tools/lab/tune_quant_linear.py --formats
-    # int4, then the decode step) llama-8b's int4 step took 3.84 ms at one row with 264
-    # programs and 3.18 with four splits (gate_up: 448 programs unsplit); 5.66 ms at 64 rows
-    # with 132 programs and 6.69 with 264; at 16 rows a fixed two splits took 5.39 ms
-    # against 3.74 with 264 programs. gate_up in 256 columns and 8 warps at 64 rows: 48.5 us
-    # against 56.8 alone, yet the step lost 6% at 32 rows for 2% at 64.
-    int4_one_row: LinearConfig = LinearConfig(16, 64, 128, split_k=4)
+    # int4: tensor-core tiles only (one row padded to 16), block_k cut to the group. Up to
+    # few_rows_max rows K splits in powers of two while every program keeps
+    # int4_min_split_steps K steps and columns x splits stay within int4_split_columns (the
+    # programs' occupancy hides the unpacking's latency, a longer loop its pipeline fill); more
+    # rows split until int4_many_rows_programs programs. llama-8b's projections on an H100
+    # (tools/lab/tune_quant_linear.py --formats int4), us at 1 / 16 rows for qkv, o, gate_up,
+    # down: 9.6 8.1 35.0 21.0 / 11.0 13.0 37.9 25.6 with four splits at one row and 264
+    # programs above; the rule picks the best tile's split for each (9.5 7.6 31.7 17.0 / 11.3
+    # 8.5 33.4 19.6). 64 rows: 5.66 ms a step with 132 programs, 6.69 with 264. gate_up in 256
+    # columns and 8 warps at 64 rows: 48.5 us against 56.8 alone, yet the step lost 6% at 32
+    # rows for 2% at 64.
+    int4_one_row: LinearConfig = LinearConfig(16, 64, 128)
     int4_few_rows: LinearConfig = LinearConfig(16, 128, 128)
     int4_many_rows: LinearConfig = LinearConfig(64, 128, 128)
     int4_many_rows_programs: int = 128
+    int4_min_split_steps: int = 8
+    int4_split_columns: int = 32768
 
     def config_for(self, m: int, n: int, int4: bool) -> LinearConfig:
         """The tile for m rows of a weight with n output columns."""

@@ -46,7 +46,7 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
 
     if int4:  # whole 64-column blocks, at most a group (128) deep
         bms = [16] if m <= 16 else [32, 64]
-        return list(grid(bms, [64, 128], [64, 128], [1, 2, 4], [3, 4], [4]))
+        return list(grid(bms, [64, 128], [64, 128], [1, 2, 4, 8, 16], [3, 4], [4]))
     if m == 1:
         return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
