@@ -8,8 +8,8 @@ num_decode of them), and every projection reads its weight once for both.
 Attention splits by kind of row. The decode rows attend as the decode iteration attends them
 (their own positions, slots and block tables read from DecodeState, through the decode-attention
 op): the prefill kernel would run one program per row and head over the whole context, where
-the decode kernel may split it (sized for DECODE_SPLIT_ROWS rows: the decode part's static size
-would mostly count inert places). The chunks attend through the prefill attention, which sees the
+the decode kernel may split it (sized for AttentionTuning.mixed_split_rows rows: the decode
+part's static size would mostly count inert places). The chunks attend through the prefill attention, which sees the
 decode rows' places as tokens of no sequence writing the scratch block.
 
 A row whose last chunk runs in this step samples its first token from the chunk and decodes from
@@ -22,19 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.tuning import tuning_for
 from ..model.llama import AttentionInputs, KVCache, LlamaModel
 from .iteration import SampleOut, sample_rows
 from .prefill import PrefillMeta
 from .prompt_logprobs import prompt_logprobs
 from .state import DecodeState
-
-# The decode part's attention sizes its split count as for a batch of this many rows (None: its
-# own size, min(max_batch, bucket) places, most of them inert rows that stop after one tile):
-# at the default max_batch of 64 that was one split, and a few rows with long contexts walked
-# them in one program per head. llama-1b, H100 (docs/benchmarks.md, "Serving"): a mixed step
-# beside 2 rows at 4,000 tokens 3.23 -> 2.00 ms, beside 48 rows at 1,000 tokens 3% slower.
-DECODE_SPLIT_ROWS: int | None = 8
-
 
 def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: PrefillMeta,
                decode_rows: int, block_size: int, with_logprobs: bool,
@@ -66,10 +59,10 @@ def mixed_step(model: LlamaModel, state: DecodeState, kv: KVCache, meta: Prefill
         slots_dec, lens_dec = model.ops.decode_metadata(pos_dec, tables_dec, block_size)
         ids = torch.cat([torch.where(live, state.input_ids[rows_dec], ids[:r]), ids[r:]])
         positions = torch.cat([torch.where(live, pos_dec, positions[:r]), positions[r:]])
+        split_rows = tuning_for(ids.device).attention.mixed_split_rows
         attn.decode = AttentionInputs(
             slot_mapping=slots_dec, block_tables=tables_dec, seq_lens=lens_dec,
-            rows_are_sequences=True,
-            split_rows=min(r, DECODE_SPLIT_ROWS) if DECODE_SPLIT_ROWS else None)
+            rows_are_sequences=True, split_rows=min(r, split_rows) if split_rows else None)
         attn.decode_mask = live
         # Decode rows move on by their token; the inert row (every unused place) is
         # rewritten with its own zeros.

@@ -235,6 +235,13 @@ class AttentionTuning:
     # 128 + 128 batch-64 step the same (6.497 against 6.506 ms).
     long_split_tiles: int = 8
     long_max_splits: int = 16
+    # A mixed step's decode rows (capture/mixed.py) size their split count as for this many
+    # rows (0: the decode part's static size, min(max_batch, token bucket) places, most of
+    # them inert rows that stop after one tile): at the default max_batch of 64 that was one
+    # split, and a few rows with long contexts walked them in one program per head. llama-1b,
+    # H100 (tools/bench_mixed_step.py): a mixed step beside 2 rows at 4,000 tokens 3.23 ->
+    # 2.00 ms, beside 48 rows at 1,000 tokens 3% slower.
+    mixed_split_rows: int = 8
     # Decode keys per tile: decode_block_n, or decode_narrow_block_n for head dims over
     # large_head_dim and, for head dims up to small_head_dim, batches of at most
     # short_tile_max_rows rows (a short batch gets twice the splits, each its prefetched tile).

@@ -6,23 +6,28 @@
 For each case ROWSxCONTEXT: ROWS requests with CONTEXT-token prompts are prefilled and decode,
 then a 60-token prompt (one output token) is admitted every other step, so each admitting step
 is a mixed step beside those rows. Reports the median GPU time of the mixed steps and of the
-plain decode steps (CUDA events of runner.timeline), once per `mixed.DECODE_SPLIT_ROWS` value
-(the graphs are captured with it, so each value builds its own engine). One JSON line per run.
+plain decode steps (CUDA events of runner.timeline), once per
+`AttentionTuning.mixed_split_rows` value (the graphs are captured with it, so each value builds
+its own engine). One JSON line per run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+from dataclasses import replace
 
 import torch
 
 from graphexec import LLM, SamplingParams
 from graphexec.capture import mixed
+from graphexec.kernels.tuning import tuning_for
 
 
 def run(model: str, split_rows: int | None, rows: int, context: int, admissions: int) -> dict:
-    mixed.DECODE_SPLIT_ROWS = split_rows
+    table = tuning_for(torch.device("cuda"))
+    table = replace(table, attention=replace(table.attention, mixed_split_rows=split_rows or 0))
+    mixed.tuning_for = lambda device: table
     llm = LLM(model, max_batch=64, max_model_len=context + 1024)
     engine, runner = llm.engine, llm.engine.runner
     try:

@@ -44,9 +44,12 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
             if not (int4 and bk > 128):
                 yield LinearConfig(bm, bn, bk, split, num_warps=w, num_stages=st)
 
-    if int4:  # whole 64-column blocks, at most a group (128) deep
-        bms = [16] if m <= 16 else [32, 64]
-        return list(grid(bms, [64, 128], [64, 128], [1, 2, 4, 8, 16], [3, 4], [4]))
+    if int4:  # whole 64-column blocks, a group (128) deep; up to 16 rows also under 1-2 warps
+        # or 32 columns, where Triton takes Ampere's mma (no wgmma waits, fewer instructions)
+        splits = [1, 2, 4, 8, 16]
+        if m > 16:
+            return list(grid([32, 64], [64, 128], [128], splits, [3, 4], [4]))
+        return list(grid([16], [32, 64, 128], [128], splits, [3, 4], [1, 2, 4]))
     if m == 1:
         return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
