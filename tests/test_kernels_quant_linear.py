@@ -6,6 +6,7 @@ import torch
 
 from graphexec.kernels.linear_quant import linear_quant_ref
 from graphexec.kernels.quant import quantize_fp8, quantize_int4
+from graphexec.kernels.tuning import DEFAULT as DEFAULT_TUNING
 from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test
 
 SHAPES = big([(1, 4096, 4096), (1, 4096, 14336), (7, 6144, 4096), (16, 28672, 4096),
@@ -63,6 +64,30 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
     out = lq.linear_quant(x, qw, config=cfg)
     assert not torch.equal(out.float(), torch.zeros_like(out.float()))
     _check(out, _ref(x, qw) if cfg else _want(x, qw), dtype, "reduction")
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (40, 256)])
+def test_int4_split_keeps_steps_and_bounds_columns(m, n, k):
+    """int4 at 1-16 rows splits K in powers of two while each program keeps
+    int4_min_split_steps K steps and columns x splits stay within int4_split_columns, as far
+    as both allow; on llama-8b's projections that is the split the tile sweep measured fastest
+    on an H100 (tools/lab/tune_quant_linear.py: qkv and o in 4, gate_up whole, down in 8)."""
+    from graphexec.kernels import linear_quant_triton as lq
+
+    t = DEFAULT_TUNING.quant_linear
+    cfg, split = lq.pick_config(m, n, k, 128, int4=True)
+    steps, columns = k // cfg.block_k, -(-n // cfg.block_n) * cfg.block_n
+    assert split & (split - 1) == 0 and cfg.split_k == split
+    if split > 1:
+        assert steps // split >= t.int4_min_split_steps
+        assert columns * split <= t.int4_split_columns
+    assert (steps // (2 * split) < t.int4_min_split_steps
+            or columns * 2 * split > t.int4_split_columns)
+    measured = {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 8}
+    if (n, k) in measured:
+        assert split == measured[(n, k)]
 
 
 @kernel_test
