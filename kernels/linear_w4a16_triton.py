@@ -2,8 +2,9 @@
 registers straight into the tensor cores' operand. Launched by kernels/linear_quant_triton.py
 (which picks the tile and the K split); reference: kernels/linear_quant.py.
 
-int4 is bound by the instructions that unpack it, not by its bytes: a tile's codes must reach
-the tensor cores' operand registers as bf16 / fp16 with few instructions each. Its weights
+int4 is bound by unpacking, not by its bytes: a tile's codes must reach the tensor cores'
+operand registers as bf16 / fp16 with few instructions each, and at decode sizes the few
+resident programs wait on those instructions' latency more than they fill the issue slots. Its weights
 come in plane order, so nibble j of the tile's int16 halves is a plane of 16 K columns a block:
 an elementwise function of the loaded halves, which Triton computes in the operand's register
 layout after one shared-memory pass of the packed bytes (a function that moved values between
