@@ -9,8 +9,9 @@ Attention splits by kind of row. The decode rows attend as the decode iteration 
 (their own positions, slots and block tables read from DecodeState, through the decode-attention
 op): the prefill kernel would run one program per row and head over the whole context, where
 the decode kernel may split it (sized for AttentionTuning.mixed_split_rows rows: the decode
-part's static size would mostly count inert places). The chunks attend through the prefill attention, which sees the
-decode rows' places as tokens of no sequence writing the scratch block.
+part's static size would mostly count inert places). The chunks attend through the prefill
+attention, which sees the decode rows' places as tokens of no sequence writing the scratch
+block.
 
 A row whose last chunk runs in this step samples its first token from the chunk and decodes from
 the next step on: the decode part covers rows [0, num_decode), the rows the batch held before this

@@ -57,10 +57,10 @@ def pick_config(m: int, n: int, k: int, group: int, int4: bool = False,
     `group` columns (k for fp8)."""
     cfg = t.config_for(m, n, int4)
     block_k = _int4_block_k(cfg.block_k, group) if int4 else min(cfg.block_k, group)
-    programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     if int4 and m <= t.few_rows_max:
         split = _int4_split(triton.cdiv(n, cfg.block_n) * cfg.block_n, k, block_k, t)
     else:
+        programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
         want = t.int4_many_rows_programs if int4 else t.split_programs
         split = _split_k(programs, want, k, block_k)
     return LinearConfig(cfg.block_m, cfg.block_n, block_k, split, cfg.num_warps,

@@ -4,15 +4,15 @@ registers straight into the tensor cores' operand. Launched by kernels/linear_qu
 
 int4 is bound by unpacking, not by its bytes: a tile's codes must reach the tensor cores'
 operand registers as bf16 / fp16 with few instructions each, and at decode sizes the few
-resident programs wait on those instructions' latency more than they fill the issue slots. Its weights
-come in plane order, so nibble j of the tile's int16 halves is a plane of 16 K columns a block:
-an elementwise function of the loaded halves, which Triton computes in the operand's register
-layout after one shared-memory pass of the packed bytes (a function that moved values between
-threads would send every unpacked bf16 value through shared memory). The weight is the left
-operand (out.T = w @ x.T): Hopper's wgmma takes its left operand from registers, and the rows,
-padded to 16, are its narrow side. Two codes share a 32-bit register: one shift, one lop3 that
-puts both nibbles in the mantissas of 128.0 (bf16) or 1024.0 (fp16), whose ulp is 1, and one
-fma that takes 136 + zero away, all exact (_plane). The group's scale multiplies each tile's
+resident programs wait on those instructions' latency more than they fill the issue slots. Its
+weights come in plane order, so nibble j of the tile's int16 halves is a plane of 16 K columns a
+block: an elementwise function of the loaded halves, which Triton computes in the operand's
+register layout after one shared-memory pass of the packed bytes (a function that moved values
+between threads would send every unpacked bf16 value through shared memory). The weight is the
+left operand (out.T = w @ x.T): Hopper's wgmma takes its left operand from registers, and the
+rows, padded to 16, are its narrow side. Two codes share a 32-bit register: one shift, one lop3
+that puts both nibbles in the mantissas of 128.0 (bf16) or 1024.0 (fp16), whose ulp is 1, and
+one fma that takes 136 + zero away, all exact (_plane). The group's scale multiplies each tile's
 fp32 partial sums.
 """
 from __future__ import annotations

@@ -385,7 +385,6 @@ def test_residual_epilogue_begins_the_norm_the_next_projection_ends(m, block_m, 
     _check(out, want.to(dtype), dtype, "reduction")
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
                     reason="the interpreter runs no inline PTX: no hint is issued")
