@@ -142,6 +142,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, po_ptr, p
     else:
         q = tl.load(q_ptr + b64 * sq0 + heads[:, None] * sq1 + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = tiles.dot_operand(q, k_ptr)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -214,14 +215,19 @@ def _decode_min_tiles(b: int, hk: int, device: torch.device,
 
 
 def _decode_blocks(d: int, rows: int | None = None,
-                   tuning: AttentionTuning = DEFAULT.attention) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N): the head dim padded, and keys per tile. rows: the batch, None for
-    the batch-invariant kernels (whose tiles must not depend on it)."""
+                   tuning: AttentionTuning = DEFAULT.attention,
+                   fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_N, stages): the head dim padded, keys per tile and the loop's stages.
+    rows: the batch, None for the batch-invariant kernels (whose tiles must not depend on it);
+    fp8: an fp8 cache."""
     block_d = max(16, triton.next_power_of_2(d))
     short = (rows is not None and rows <= tuning.short_tile_max_rows
              and block_d <= tuning.small_head_dim)
-    narrow = short or block_d > tuning.large_head_dim
-    return block_d, tuning.decode_narrow_block_n if narrow else tuning.decode_block_n
+    if short or block_d > tuning.large_head_dim:
+        return block_d, tuning.decode_narrow_block_n, tuning.decode_stages
+    if fp8 and (rows is None or rows > tuning.short_tile_max_rows):
+        return block_d, tuning.decode_fp8_block_n, tuning.decode_fp8_stages
+    return block_d, tuning.decode_block_n, tuning.decode_stages
 
 
 def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -232,7 +238,7 @@ def decode_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     from the batch: a row's context is cut at the same places (they depend on its length and
     the split count) whether it runs with 1 row or 320, as a draft row or a verify row.
     split_rows is ignored for that reason."""
-    _, block_n = _decode_blocks(q.shape[-1], tuning=tuning)
+    _, block_n, _ = _decode_blocks(q.shape[-1], tuning=tuning, fp8=tiles.is_fp8(k_cache))
     max_tiles = max(1, triton.cdiv(block_tables.shape[1] * k_cache.shape[1], block_n))
     return decode_attention_splits(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                    min(max_tiles, tuning.invariant_splits), invariant=True,
@@ -317,7 +323,8 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rope_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0))
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
-    block_d, block_n = _decode_blocks(d, None if invariant else b, tuning)
+    block_d, block_n, stages = _decode_blocks(d, None if invariant else b, tuning,
+                                              tiles.is_fp8(k_cache))
     m = block_tables.shape[1]
     if num_splits is None:
         num_splits = _decode_num_splits(split_rows or b, hk, m, bs, block_n, q.device, tuning)
@@ -355,5 +362,5 @@ def decode_attention_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         ROPE=rope is not None, PDL=dependent,
         PREFETCH=rope is not None and bool(
             b <= tuning.prefetch_max_rows if prefetch is None else prefetch),
-        num_warps=num_warps, num_stages=tuning.decode_stages, launch_pdl=dependent)
+        num_warps=num_warps, num_stages=stages, launch_pdl=dependent)
     return out

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from . import attention_tiles_triton as tiles
 from .attention_decode_triton import decode_attention_invariant
-from .attention_tiles_triton import LOG2E, attend_tile, ieee_dot, load_kv_tile
+from .attention_tiles_triton import LOG2E, attend_tile, dot_operand, ieee_dot, load_kv_tile
 from .tuning import DEFAULT, AttentionTuning
 from .write_kv_triton import _cache_ok
 
@@ -52,6 +52,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, sl_ptr, bt_ptr, out_ptr,
         tok = (q_start + mrows).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * sq0 + h64 * sq1 + d[None, :],
                     mask=qmask[:, None] & dmask[None, :], other=0.0)
+        q = dot_operand(q, k_ptr)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

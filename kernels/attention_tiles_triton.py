@@ -49,6 +49,17 @@ def to_cache(x, cache_ptr):
 
 
 @triton.jit
+def dot_operand(q, cache_ptr):
+    """q in the dtype the tiles' dots run in: its own, or fp16 for bf16 over an fp8 cache. An
+    e4m3 pair becomes fp16 in one instruction and bf16 in four (through fp32), and the
+    conversions, not the halved bytes, set an fp8 cache's pace. fp16 holds e4m3 and bf16's
+    8-bit mantissas exactly; q is clamped to fp16's range, softmax weights lie in [0, 1]."""
+    if cache_ptr.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def load_kv_tile(k_ptr, v_ptr, bt_row, pos, end, d, dmask, kh64, skb, sks, skh, svb, svs, svh,
                  BLOCK_SIZE: tl.constexpr):
     """The keys and values at positions pos (< end) of one KV head, through the block table."""

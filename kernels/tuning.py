@@ -256,6 +256,14 @@ class AttentionTuning:
     decode_small_head_warps: int = 2
     four_warps_min_rows: int = 33
     decode_stages: int = 3
+    # An fp8 cache's tiles past short_tile_max_rows rows (not narrowed as above): half the
+    # bytes and converted in registers, they pay in 128 keys over two stages. llama-8b heads,
+    # one H200, 2026-12-01 (tools/lab/time_decode_attention.py), us a layer: serving's
+    # contexts (mean 387-533 tokens) at 16 / 46 / 64 rows 18.6 / 40.9 / 56.5 against 22.7 /
+    # 50.2 / 69.1 in 64 keys over three (bf16's cache: 24.4 / 44.4 / 57.6); 192 tokens at 16
+    # / 64 rows 8.4 / 28.4 against 8.8 / 38.1, but at one row 7.2 against 5.9 (fewer splits).
+    decode_fp8_block_n: int = 128
+    decode_fp8_stages: int = 2
     # Up to this many rows the fused rope + attention loads its first KV tile before its PDL
     # wait, overlapping the qkv projection's tail (which only a Triton projection lets it do).
     prefetch_max_rows: int = 4

@@ -63,8 +63,11 @@ def test_rope_write_kv_into_fp8(K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("splits", [None, 3])
-def test_decode_attention_reads_fp8(K, dtype, splits):
-    b, ctx, hq, hk, d, bs = 4, 70, 8, 2, 64, 16
+# 4 rows take the narrow tiles of short batches; 6 rows over longer contexts the fp8 cache's
+# own (AttentionTuning.decode_fp8_block_n), bf16 q then dotting in fp16
+@pytest.mark.parametrize("b,ctx", [(4, 70), (6, 300)])
+def test_decode_attention_reads_fp8(K, dtype, splits, b, ctx):
+    hq, hk, d, bs = 8, 2, 64, 16
     lens = _lengths(b, ctx, bs, 20)
     kc, vc, tables = _fp8_cache(lens, hk, d, bs, 21)
     q = _randn((b, hq, d), dtype, 22)

@@ -112,8 +112,14 @@ def test_kv_kernels_compile_for_an_fp8_cache(compiled):
     assert {"_rope_write_kv_kernel", "_write_kv_kernel", "_decode_split_kernel",
             "_prefill_kernel"} <= set(names), names
     for name, kernel in compiled:
+        ptx = kernel.asm["ptx"]
         if name in ("_rope_write_kv_kernel", "_write_kv_kernel"):
-            assert "cvt.rn.satfinite.e4m3x2" in kernel.asm["ptx"], name
+            assert "cvt.rn.satfinite.e4m3x2" in ptx, name
+        if name in ("_decode_split_kernel", "_prefill_kernel"):
+            # the tiles become fp16 a pair an instruction, and the dots run on fp16, not bf16
+            assert "cvt.rn.f16x2.e4m3x2" in ptx, name
+            assert re.search(r"\.f32\.f16\.f16\.f32|\.f16\.f16", ptx), name
+            assert not re.search(r"\.f32\.bf16\.bf16\.f32", ptx), name
 
 
 def test_quantized_projections_with_programmatic_dependent_launch(compiled, monkeypatch):
