@@ -33,7 +33,7 @@ demo: install
 	$(PYTHON) tools/demo.py
 
 test: install-test
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 # On the GPU machine: its torch/triton/transformers are already there, and it has no network
 # for an isolated build environment (a fresh machine failed to fetch setuptools): its own.

@@ -57,6 +57,8 @@ def test_prompt_logprobs_survive_eviction():
         for rid in ample:
             a, b = ample[rid].prompt_logprobs, out[rid].prompt_logprobs
             assert [x and x.token_id for x in a] == [x and x.token_id for x in b]
+            # the tight engine cuts the prompts into other chunks, whose fp32 GEMMs round
+            # otherwise: 1.7e-5 apart at a logprob of -9.4 on one x86 CPU (AMD EPYC)
             assert [x and x.logprob for x in a] == pytest.approx([x and x.logprob for x in b],
-                                                                 abs=1e-5)
+                                                                 abs=1e-4)
             assert all(x is not None for x in a[1:])
