@@ -46,7 +46,9 @@ def apply_controls(model: LlamaModel, state: DecodeState, logits: torch.Tensor,
         no_drafts = on != 0
     slots = state.penalty_slots[rows]
     flat = logits.view(b * k1, v)
-    per_position = slots[:, None].expand(b, k1).reshape(-1)
+    # a dense copy: for one row, reshape would keep the expanded view's stride 0, and the
+    # kernels read a [rows] vector as dense (they would take rows 1..K's slots)
+    per_position = slots[:, None].expand(b, k1).contiguous().view(-1)
     ops.apply_logit_bias(flat, per_position, pen.bias_ids, pen.bias_vals)
     for j in range(k1):
         if j:  # position j follows draft j - 1

@@ -284,3 +284,54 @@ def test_count_tokens_matches_reference(K):
     got = penalties_triton.apply_penalties(logits.clone(), out["slots"], *_seen(out),
                                            out["presence"], out["frequency"], out["repetition"])
     assert torch.equal(_bits(got), _bits(want))
+
+
+def _one_row_controls_state(v: int, token: int):
+    """A DecodeState of four rows whose row 0 holds slot 2 (min_p 0.1, a logit bias on
+    `token`); rows 1-3 hold no slot."""
+    from graphexec.capture.state import DecodeState
+
+    st = DecodeState(4, 2, v, 0, DEV, penalties=True)
+    st.penalty_slots[0] = 2
+    st.penalties.log_min_p[2] = math.log(0.1)
+    st.penalties.bias_ids[2, 0] = token
+    st.penalties.bias_vals[2, 0] = 5.0
+    return st
+
+
+@kernel_test
+@pytest.mark.gpu
+def test_speculative_controls_of_a_lone_row_reach_every_position():
+    """A bucket of one row: the verify's K + 1 positions all take the row's bias and min_p,
+    as the references give them. (The per-position slots were once a stride-0 view there,
+    and the kernels took rows 1..K's slots for positions 1..K.)"""
+    from types import SimpleNamespace
+
+    from graphexec.capture.spec_controls import apply_controls
+    from graphexec.kernels import penalties_triton as tri
+
+    v, k, token = big(32000, 300), 3, 7
+    g = _gen(41)
+    logits = (torch.randn(1, k + 1, v, generator=g) * 3).to(DEV, torch.bfloat16)
+    # biased to 13.0 (exact in bf16: no rounding tie), above min_p's floor everywhere
+    logits[0, :, token] = 8.0
+    drafts = [torch.randint(0, v, (1,), generator=g).to(DEV) for _ in range(k)]
+    temperature = torch.full((k + 1,), 0.9, device=DEV)
+    live = torch.ones(1, dtype=torch.bool, device=DEV)
+    outs = []
+    for ops in (SimpleNamespace(apply_logit_bias=pen_ref.apply_logit_bias_ref,
+                                apply_penalties=pen_ref.apply_penalties_ref,
+                                apply_min_p=pen_ref.apply_min_p_ref,
+                                count_tokens=pen_ref.count_tokens_ref),
+                SimpleNamespace(apply_logit_bias=tri.apply_logit_bias,
+                                apply_penalties=tri.apply_penalties,
+                                apply_min_p=tri.apply_min_p, count_tokens=tri.count_tokens)):
+        out = logits.clone()
+        apply_controls(SimpleNamespace(ops=ops), _one_row_controls_state(v, token), out,
+                       drafts, temperature, live, grammar=False)
+        outs.append(out)
+    ref, got = outs
+    assert torch.equal(got, ref)
+    removed = torch.isinf(got[0].float()).sum(-1)
+    assert (removed > 0).all() and (removed < v).all(), removed  # min_p at every position
+    assert (got[0, :, token] == 13.0).all()
