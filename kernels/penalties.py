@@ -25,10 +25,21 @@ IN_PROMPT = 1  # flags: the token is in the prompt
 LISTED = 2  # flags: the token is in the slot's list of seen tokens
 
 
+def check_dense(*rows: torch.Tensor) -> None:
+    """The contract of every op here: a [rows] vector (slots, temperatures, tokens, live) is
+    dense. The Triton kernels read it at base + row, so a strided or stride-0 view (an expand
+    left as a view) would hand them other rows' values; the references check it too, so that
+    the CPU catches a caller that passes one."""
+    for x in rows:
+        if not x.is_contiguous():
+            raise ValueError(f"a [rows] vector must be dense, got strides {x.stride()}")
+
+
 def apply_logit_bias_ref(logits: torch.Tensor, slots: torch.Tensor, bias_ids: torch.Tensor,
                          bias_vals: torch.Tensor) -> torch.Tensor:
     """logits [B, V] += each row's slot's (id, bias) pairs, in place. bias_ids [S, N] (-1 pads,
     no id twice in a slot), bias_vals [S, N] fp32."""
+    check_dense(slots)
     ids = bias_ids[slots]
     on = (ids >= 0) & (slots > 0)[:, None]
     # a pad (id -1) adds 0.0 to token 0, which leaves it as it is
@@ -45,6 +56,7 @@ def apply_penalties_ref(logits: torch.Tensor, slots: torch.Tensor, counts: torch
     """The repetition, frequency and presence penalties, in place on logits [B, V] for rows
     whose slot is > 0. counts [S, V] int32, flags [S, V] uint8; the penalties [S] fp32.
     A dense pass: seen_ids and num_seen (the list the Triton kernel visits) are not read."""
+    check_dense(slots)
     on = (slots > 0)[:, None]
     x = logits.float()
     cnt = counts[slots].float()
@@ -65,6 +77,7 @@ def apply_min_p_ref(logits: torch.Tensor, slots: torch.Tensor, temperature: torc
     logit / T is below its largest by more than -log(min_p), i.e. whose probability is below
     min_p times the largest. log_min_p [S] fp32 (-inf: off). Greedy rows are left as they are:
     min_p never removes the argmax."""
+    check_dense(slots, temperature)
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
     scaled = logits.float() / t[:, None]
     floor = scaled.max(-1, keepdim=True).values + log_min_p[slots][:, None]
@@ -79,6 +92,7 @@ def count_tokens_ref(counts: torch.Tensor, flags: torch.Tensor, seen_ids: torch.
     the rows that really sampled this step), and a token not listed yet is appended to the
     slot's list (seen_ids, num_seen) and flagged LISTED. No two rows share a slot above 0, so
     each slot takes at most one token a call. No host sync: it runs in captured steps."""
+    check_dense(slots, tokens, live)
     on = live & (slots > 0)
     tok = tokens.long()
     counts.index_put_((slots, tok), on.to(counts.dtype), accumulate=True)

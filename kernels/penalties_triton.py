@@ -15,16 +15,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .penalties import IN_PROMPT, LISTED
+from .penalties import IN_PROMPT, LISTED, check_dense
 from .tuning import DEFAULT, SamplingTuning
-
-
-def _dense(*rows: torch.Tensor) -> None:
-    """The kernels read each [rows] vector at base + row: a strided or stride-0 view (an
-    expand left as a view) would hand them other rows' values, silently."""
-    for x in rows:
-        if not x.is_contiguous():
-            raise ValueError(f"a [rows] vector must be dense, got strides {x.stride()}")
 
 
 @triton.jit
@@ -48,7 +40,7 @@ def apply_logit_bias(logits: torch.Tensor, slots: torch.Tensor, bias_ids: torch.
     b = logits.shape[0]
     if b == 0:
         return logits
-    _dense(slots)
+    check_dense(slots)
     n = bias_ids.shape[1]
     dependent = pdl.enabled(logits)
     _bias_kernel[(b,)](logits, logits.stride(0), slots, bias_ids, bias_vals, bias_ids.stride(0),
@@ -96,7 +88,7 @@ def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Ten
         return logits
     # the kernel takes one row stride for the three [S, V] tensors
     assert counts.stride(0) == flags.stride(0) == seen_ids.stride(0)
-    _dense(slots)
+    check_dense(slots)
     dependent = pdl.enabled(logits)
     # enable_fp_fusion=False: count * frequency is rounded before it is subtracted, as torch
     # does, so the logits equal the reference's bit for bit (no fused multiply-add)
@@ -139,7 +131,7 @@ def apply_min_p(logits: torch.Tensor, slots: torch.Tensor, temperature: torch.Te
     b, v = logits.shape
     if b == 0:
         return logits
-    _dense(slots, temperature)
+    check_dense(slots, temperature)
     dependent = pdl.enabled(logits)
     _min_p_kernel[(b,)](logits, logits.stride(0), slots, temperature, log_min_p, v,
                         BLOCK=tuning.penalty_block, PDL=dependent,
@@ -173,7 +165,7 @@ def count_tokens(counts: torch.Tensor, flags: torch.Tensor, seen_ids: torch.Tens
     if b == 0:
         return
     assert counts.stride(0) == flags.stride(0) == seen_ids.stride(0)
-    _dense(slots, tokens, live)
+    check_dense(slots, tokens, live)
     dependent = pdl.enabled(counts)
     _count_kernel[(b,)](counts, flags, seen_ids, counts.stride(0), num_seen, slots, tokens,
                         live.view(torch.uint8), LISTED=LISTED, PDL=dependent, num_warps=1,
