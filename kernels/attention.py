@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .row_vectors import check_dense
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -24,6 +25,7 @@ def to_cache_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hk, D]; slot_mapping: [T] flat slot index (block * block_size + offset)."""
+    check_dense(slot_mapping)
     for cache, x in ((k_cache, k), (v_cache, v)):
         nb, bs, hk, d = cache.shape
         x = to_cache_ref(x, cache.dtype)
@@ -56,6 +58,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """One query per row. q: [B, Hq, D]; block_tables: [B, M]; seq_lens: [B] (keys to attend,
     the query's own position included). Returns [B, Hq, D] in q's dtype; fp32 accumulation.
     split_rows: a hint for kernels that split a row's keys (unused here)."""
+    check_dense(seq_lens)
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     block_tables = _columns_in_use(block_tables, seq_lens, k_cache.shape[1])
@@ -82,6 +85,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     seq_lens[i] keys, query j sits at position seq_lens[i] - q_len + j (a cached prefix before the
     queries needs no new kernel). Loops over sequences: this is the reference, not the fast path.
     Tokens of no sequence (a padded batch's) get zeros."""
+    check_dense(cu_seqlens_q, seq_lens)
     out = torch.zeros_like(q)
     hq, d = q.shape[1], q.shape[2]
     hk = k_cache.shape[2]

@@ -21,18 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from .row_vectors import check_dense
+
 IN_PROMPT = 1  # flags: the token is in the prompt
 LISTED = 2  # flags: the token is in the slot's list of seen tokens
-
-
-def check_dense(*rows: torch.Tensor) -> None:
-    """The contract of every op here: a [rows] vector (slots, temperatures, tokens, live) is
-    dense. The Triton kernels read it at base + row, so a strided or stride-0 view (an expand
-    left as a view) would hand them other rows' values; the references check it too, so that
-    the CPU catches a caller that passes one."""
-    for x in rows:
-        if not x.is_contiguous():
-            raise ValueError(f"a [rows] vector must be dense, got strides {x.stride()}")
 
 
 def apply_logit_bias_ref(logits: torch.Tensor, slots: torch.Tensor, bias_ids: torch.Tensor,

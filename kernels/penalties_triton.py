@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .penalties import IN_PROMPT, LISTED, check_dense
+from .penalties import IN_PROMPT, LISTED
+from .row_vectors import check_dense
 from .tuning import DEFAULT, SamplingTuning
 
 

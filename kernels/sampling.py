@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .row_vectors import check_dense
+
 MASK32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20
 
@@ -70,6 +72,7 @@ def topk_topp_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> tokens [B] (int64). temperature == 0 means greedy."""
+    check_dense(temperature, top_k, top_p, seeds, steps)
     logits = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
