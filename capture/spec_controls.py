@@ -28,6 +28,14 @@ from ..structured import MASK_HOLD
 from .state import DecodeState
 
 
+def repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row n times in a row (repeat_interleave over dim 0 in one copy launch: torch's
+    repeat_interleave on CUDA runs a cumsum and a gather). Always a dense copy: a reshape of
+    the expanded view would stay a stride-0 view for one row, which kernels reading [rows]
+    vectors as dense would misread."""
+    rows = x[:, None].expand(x.shape[0], n, *x.shape[1:]).contiguous()
+    return rows.view(x.shape[0] * n, *x.shape[1:])
+
 def apply_controls(model: LlamaModel, state: DecodeState, logits: torch.Tensor,
                    drafts: list[torch.Tensor], temperature: torch.Tensor, live: torch.Tensor,
                    grammar: bool) -> torch.Tensor | None:
@@ -46,9 +54,7 @@ def apply_controls(model: LlamaModel, state: DecodeState, logits: torch.Tensor,
         no_drafts = on != 0
     slots = state.penalty_slots[rows]
     flat = logits.view(b * k1, v)
-    # a dense copy: for one row, reshape would keep the expanded view's stride 0, and the
-    # kernels read a [rows] vector as dense (they would take rows 1..K's slots)
-    per_position = slots[:, None].expand(b, k1).contiguous().view(-1)
+    per_position = repeat_rows(slots, k1)
     ops.apply_logit_bias(flat, per_position, pen.bias_ids, pen.bias_vals)
     for j in range(k1):
         if j:  # position j follows draft j - 1

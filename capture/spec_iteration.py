@@ -30,7 +30,7 @@ from ..kernels.rejection import (SALT_DRAFT, accept_argmaxes, draw_from_probs,
                                  rejection_sample_ref, sampling_probs_ref)
 from ..model.llama import AttentionInputs, FinalHidden, KVCache, LlamaModel
 from ..plan import Variant
-from .spec_controls import Hold, apply_controls, recount
+from .spec_controls import Hold, apply_controls, recount, repeat_rows
 from .state import DecodeState
 
 
@@ -46,15 +46,6 @@ def _masked(model: LlamaModel, state: DecodeState, logits: torch.Tensor, bucket:
     rows = slice(0, bucket)
     return model.ops.mask_stop_tokens(logits, state.stop_ids[rows], steps,
                                       state.min_tokens[rows], inplace=True)
-
-
-def _repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Each row n times in a row (repeat_interleave over dim 0 in one copy launch: torch's
-    repeat_interleave on CUDA runs a cumsum and a gather). Always a dense copy: a reshape of
-    the expanded view would stay a stride-0 view for one row, which kernels reading [rows]
-    vectors as dense would misread."""
-    rows = x[:, None].expand(x.shape[0], n, *x.shape[1:]).contiguous()
-    return rows.view(x.shape[0] * n, *x.shape[1:])
 
 
 def _interleave(states: list[FinalHidden]) -> FinalHidden:
@@ -110,7 +101,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
 
     # 2. verify: the target over [input, d_1..d_K] at positions pos0..pos0+K
     pos = (pos0[:, None] + offs[None, :]).reshape(-1)
-    verify_bt = _repeat_rows(bt, k + 1)
+    verify_bt = repeat_rows(bt, k + 1)
     verify_slots, verify_lens = target.ops.decode_metadata(pos, verify_bt, block_size)
     attn = AttentionInputs(slot_mapping=verify_slots, block_tables=verify_bt,
                            seq_lens=verify_lens)
@@ -121,7 +112,7 @@ def spec_iteration(target: LlamaModel, draft: DraftModel, state: DecodeState, kv
         ids = torch.cat([state.input_ids[rows][:, None], draft_tokens], dim=1)
         hidden = target.forward(ids.reshape(-1), pos, attn, kv)
     raw = target.compute_logits(hidden)  # [B*(K+1), V]
-    rep = lambda x: _repeat_rows(x, k + 1)
+    rep = lambda x: repeat_rows(x, k + 1)
     step_all = draft_steps.t().reshape(-1)  # row-major [B, K + 1]
     logits = target.ops.mask_stop_tokens(raw, rep(state.stop_ids[rows]), step_all,
                                          rep(state.min_tokens[rows]),

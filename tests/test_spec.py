@@ -249,12 +249,12 @@ def test_fused_decode_attention_only_sees_distinct_sequences(monkeypatch, specul
 
 
 def test_repeat_rows_is_a_dense_repeat_interleave():
-    """The verify's per-row copies (capture/spec_iteration.py): repeat_interleave's values, and
+    """The verify's per-row copies (capture/spec_controls.py): repeat_interleave's values, and
     dense even for one row (a stride-0 view once reached a kernel that reads rows densely)."""
-    from graphexec.capture.spec_iteration import _repeat_rows
+    from graphexec.capture.spec_controls import repeat_rows
 
     for x in (torch.arange(3), torch.arange(1), torch.arange(12).view(3, 4), torch.arange(4)[None]):
-        got = _repeat_rows(x, 5)
+        got = repeat_rows(x, 5)
         assert torch.equal(got, x.repeat_interleave(5, dim=0)) and got.is_contiguous()
 
 
