@@ -262,8 +262,8 @@ class AttentionTuning:
     # contexts (mean 387-533 tokens) at 16 / 46 / 64 rows 18.6 / 40.9 / 56.5 against 22.7 /
     # 50.2 / 69.1 in 64 keys over three (bf16's cache: 24.4 / 44.4 / 57.6); 192 tokens at 16
     # / 64 rows 8.4 / 28.4 against 8.8 / 38.1, but at one row 7.2 against 5.9 (fewer splits).
-    # Shorter splits (long_split_tiles 4: 43.1 / 62.0 at 46 / 64 rows), 8 warps or three
-    # stages lost there (2026-12-02, docs/benchmarks.md).
+    # Lost there (one H200, 2026-12-02, dc13c96, 46 / 64 rows against 40.9 / 56.7): shorter
+    # splits (long_split_tiles 4: 43.1 / 62.0; 2: 64.2 / 92.6), 8 warps (60.7 / 86.2).
     decode_fp8_block_n: int = 128
     decode_fp8_stages: int = 2
     # Up to this many rows the fused rope + attention loads its first KV tile before its PDL
