@@ -4,7 +4,7 @@ that picks the op set (kernels.select_ops) hands it on, and no other module in k
 tunable constant. docs/architecture.md gives the measurements behind the values."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -155,6 +155,7 @@ class QuantLinearTuning:
     few_rows_max: int = 16
     wide_n: int = 16384
     one_row: LinearConfig = LinearConfig(1, 8, 1024)
+    one_row_wide: LinearConfig = LinearConfig(1, 8, 1024)  # fp8, one row, N >= wide_n
     few_rows: LinearConfig = LinearConfig(16, 32, 128, num_stages=4)
     many_rows: LinearConfig = LinearConfig(64, 32, 128)
     many_rows_wide: LinearConfig = LinearConfig(64, 128, 128)
@@ -178,8 +179,10 @@ class QuantLinearTuning:
 
     def config_for(self, m: int, n: int, int4: bool) -> LinearConfig:
         """The tile for m rows of a weight with n output columns."""
-        kind = ("one_row" if m == 1 else "few_rows" if m <= self.few_rows_max
-                else "many_rows_wide" if n >= self.wide_n and not int4 else "many_rows")
+        wide = n >= self.wide_n and not int4
+        kind = ("one_row_wide" if m == 1 and wide else "one_row" if m == 1
+                else "few_rows" if m <= self.few_rows_max
+                else "many_rows_wide" if wide else "many_rows")
         return getattr(self, ("int4_" if int4 else "") + kind)
 
 
@@ -320,10 +323,36 @@ class Tuning:
     sampling: SamplingTuning = field(default_factory=SamplingTuning)
 
 
-# The values were measured on H100 and H200; other GPUs take them as they are.
+# Measured on an H100 (and, for the attention and serving figures, an H200); a GPU without a
+# table of its own below takes these.
 DEFAULT = Tuning()
+
+# An H200 streams a weight about 1.3x as fast as an H100 from the same 132 SMs, so a projection
+# kernel needs more bytes in flight a program and, for the small weights, more programs. The
+# quantized tiles, from tools/lab/tune_quant_linear.py on one H200 (2026-12-02, llama-8b, us
+# for qkv, o, gate_up, down; the H100 tiles first): fp8 one row 9.9 6.1 35.4 15.8, with gate_up
+# in 8 x 512 tiles 33.1; fp8 16 rows 13.5 10.2 43.3 25.6 against 12.8 10.1 43.1 24.5 in
+# 256-deep tiles over three stages; int4 one row 9.0 7.9 31.1 15.6 against 8.8 7.3 27.2 15.4
+# in 128-column tiles over four stages, K split into eight for all but gate_up (16 rows: 11.4
+# 9.0 31.5 17.7 against 11.0 8.8 29.3 18.2).
+H200 = replace(DEFAULT, quant_linear=replace(
+    DEFAULT.quant_linear,
+    one_row_wide=LinearConfig(1, 8, 512),
+    few_rows=LinearConfig(16, 32, 256, num_stages=3),
+    int4_one_row=LinearConfig(16, 128, 128, num_stages=4),
+    int4_few_rows=LinearConfig(16, 128, 128, num_stages=4),
+    int4_min_split_steps=4,
+    int4_split_columns=49152))
+
+# Tables by a substring of torch.cuda.get_device_name.
+BY_GPU: dict[str, Tuning] = {"H200": H200}
 
 
 def tuning_for(device: torch.device) -> Tuning:
-    """The table for `device`."""
+    """The table for `device`: its GPU's own (BY_GPU), else DEFAULT."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in BY_GPU.items():
+            if key in name:
+                return table
     return DEFAULT

@@ -66,18 +66,25 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
     _check(out, _ref(x, qw) if cfg else _want(x, qw), dtype, "reduction")
 
 
+# The int4 split the tile sweep (tools/lab/tune_quant_linear.py) measured fastest for
+# llama-8b's qkv, o, gate_up and down on each GPU's table.
+_INT4_SPLITS = {"DEFAULT": (4, 4, 1, 8), "H200": (8, 8, 1, 8)}
+
+
+@pytest.mark.parametrize("table", sorted(_INT4_SPLITS))
 @pytest.mark.parametrize("m", [1, 7, 16])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
                                  (40, 256)])
-def test_int4_split_keeps_steps_and_bounds_columns(m, n, k):
+def test_int4_split_keeps_steps_and_bounds_columns(m, n, k, table):
     """int4 at 1-16 rows splits K in powers of two while each program keeps
     int4_min_split_steps K steps and columns x splits stay within int4_split_columns, as far
-    as both allow; on llama-8b's projections that is the split the tile sweep measured fastest
-    on an H100 (tools/lab/tune_quant_linear.py: qkv and o in 4, gate_up whole, down in 8)."""
+    as both allow; on llama-8b's projections that is the split the tile sweep measured
+    fastest."""
     from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels import tuning
 
-    t = DEFAULT_TUNING.quant_linear
-    cfg, split = lq.pick_config(m, n, k, 128, int4=True)
+    t = getattr(tuning, table).quant_linear
+    cfg, split = lq.pick_config(m, n, k, 128, int4=True, t=t)
     steps, columns = k // cfg.block_k, -(-n // cfg.block_n) * cfg.block_n
     assert split & (split - 1) == 0 and cfg.split_k == split
     if split > 1:
@@ -85,9 +92,23 @@ def test_int4_split_keeps_steps_and_bounds_columns(m, n, k):
         assert columns * split <= t.int4_split_columns
     assert (steps // (2 * split) < t.int4_min_split_steps
             or columns * 2 * split > t.int4_split_columns)
-    measured = {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 8}
-    if (n, k) in measured:
-        assert split == measured[(n, k)]
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    if (n, k) in shapes:
+        assert split == _INT4_SPLITS[table][shapes.index((n, k))]
+
+
+def test_tuning_for_picks_the_table_by_gpu_name(monkeypatch):
+    """A GPU whose name holds a BY_GPU key gets that table; any other GPU, and the CPU, get
+    DEFAULT."""
+    from graphexec.kernels import tuning
+
+    names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: names[d.index])
+    assert tuning.tuning_for(torch.device("cuda", 0)) is tuning.H200
+    assert tuning.tuning_for(torch.device("cuda", 1)) is tuning.DEFAULT
+    assert tuning.tuning_for(torch.device("cpu")) is tuning.DEFAULT
+    assert tuning.H200.quant_linear.config_for(1, 28672, False).block_k == 512
+    assert tuning.DEFAULT.quant_linear.config_for(1, 28672, False).block_k == 1024
 
 
 @kernel_test

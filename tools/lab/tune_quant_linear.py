@@ -6,10 +6,10 @@ enough weight copies that nothing is served from L2 (tools/lab/tune_linear.py's 
     python tools/lab/tune_quant_linear.py --models llama-8b --batches 1 16 64 --out out/
 
 Prints, per (format, projection, M), the floor, cuBLAS on the bf16 weight, the shipped
-config and the best candidates (above QuantLinearTuning.max_rows "shipped" is the dense
-fallback, dequantize + cuBLAS), and for fp8 W8A8 on torch._scaled_mm; writes
-tune_quant_linear.json. QuantLinearTuning
-(kernels/tuning.py) is to be set from these runs.
+config (this GPU's table: kernels/tuning.py tuning_for) and the best candidates (above
+QuantLinearTuning.max_rows "shipped" is the dense fallback, dequantize + cuBLAS), and for fp8
+W8A8 on torch._scaled_mm; writes tune_quant_linear.json. QuantLinearTuning (kernels/tuning.py)
+is to be set from these runs.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from graphexec.kernels import linear_quant_triton as lq  # noqa: E402
 from graphexec.kernels.linear_fp8_rows import linear_fp8_rows  # noqa: E402
 from graphexec.kernels.quant import dequantize, quantize_fp8, quantize_int4  # noqa: E402
-from graphexec.kernels.tuning import LinearConfig  # noqa: E402
+from graphexec.kernels.tuning import LinearConfig, tuning_for  # noqa: E402
 from tune_linear import (L2_DEFEAT_BYTES, copy_bandwidth, projections, time_configs,  # noqa: E402
                          time_graph)
 
@@ -48,9 +48,9 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
         splits = [1, 2, 4, 8, 16]
         if m > 16:
             return list(grid([32, 64], [64, 128], [128], splits, [3, 4], [4]))
-        return list(grid([16], [64, 128], [128], splits, [3, 4], [4]))
+        return list(grid([16], [32, 64, 128], [128], splits, [2, 3, 4], [4]))
     if m == 1:
-        return [*grid([1], [4, 8, 16], [512, 1024, 2048], [1, 2], [3], [4]),
+        return [*grid([1], [4, 8, 16, 32], [512, 1024, 2048], [1, 2, 4], [3], [4, 8]),
                 *grid([16], [32, 64], [128, 256], [1, 2, 4], [3], [4])]
     if m <= 16:
         return list(grid([16], [32, 64, 128], [128, 256], [1, 2, 4], [3, 4], [4]))
@@ -95,6 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
+    table = tuning_for(torch.device("cuda")).quant_linear  # "shipped": this GPU's table
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
     results = []
     os.makedirs(args.out, exist_ok=True)
@@ -130,7 +131,7 @@ def main() -> None:
                            floor_us=floor * 1e6, bytes=q0.nbytes)
                 row["cublas_bf16_us"] = time_graph(lambda i: F.linear(x, dense[i]),
                                                    len(dense)) * 1e6
-                row["shipped_us"] = time_graph(lambda i: lq.linear_quant(x, qs[i]),
+                row["shipped_us"] = time_graph(lambda i: lq.linear_quant(x, qs[i], t=table),
                                                copies) * 1e6
                 if fmt == "fp8":  # W8A8 on the fp8 tensor cores (fp8_scaled_mm_min_rows)
                     row["scaled_mm_us"] = time_graph(lambda i: linear_fp8_rows(x, qs[i]),
