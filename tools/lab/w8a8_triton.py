@@ -35,10 +35,16 @@ def main() -> None:
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--batches", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--block-n", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--block-k", nargs="+", type=int, default=[128, 256])
+    ap.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[3, 4])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4])
     args = ap.parse_args()
-    from tune_linear import L2_DEFEAT_BYTES, projections, time_graph
+    from tune_linear import L2_DEFEAT_BYTES, copy_bandwidth, projections, time_graph
 
     torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
     for name, (n, k) in projections(args.model).items():
         if name == "lm_head":
             continue
@@ -46,14 +52,14 @@ def main() -> None:
               for _ in range(max(1, min(32, math.ceil(L2_DEFEAT_BYTES / (n * k)))))]
         for m in args.batches:
             q, s = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-            floor = (n * k + m * k + m * n * 2) / 3.0e12 * 1e6
+            floor = (n * k + m * k + m * n * 2) / bandwidth * 1e6
             base = time_graph(lambda i: scaled_mm(q, s, ws[i], None, torch.bfloat16),
                               len(ws)) * 1e6
             shipped = time_graph(lambda i: matmul_rows(q, s, ws[i], None, torch.bfloat16),
                                  len(ws)) * 1e6
             timed = []
             for bn, bk, split, stages, warps in itertools.product(
-                    [64, 128], [128, 256], [1, 2, 4, 8], [3, 4], [4]):
+                    args.block_n, args.block_k, args.splits, args.stages, args.warps):
                 try:
                     us = time_graph(lambda i: linear_w8a8(q, s, ws[i], torch.bfloat16, bn, bk,
                                                           split, stages, warps), len(ws)) * 1e6
