@@ -266,7 +266,9 @@ class AttentionTuning:
     # 50.2 / 69.1 in 64 keys over three (bf16's cache: 24.4 / 44.4 / 57.6); 192 tokens at 16
     # / 64 rows 8.4 / 28.4 against 8.8 / 38.1, but at one row 7.2 against 5.9 (fewer splits).
     # Lost there (one H200, 2026-12-02, dc13c96, 46 / 64 rows against 40.9 / 56.7): shorter
-    # splits (long_split_tiles 4: 43.1 / 62.0; 2: 64.2 / 92.6), 8 warps (60.7 / 86.2).
+    # splits (long_split_tiles 4: 43.1 / 62.0; 2: 64.2 / 92.6), 8 warps (60.7 / 86.2); the
+    # keys, or keys and values, as the dots' left operands (s.T = k @ q.T on wgmma, the fp8
+    # tile converted in registers; e54ee18): 49.1 / 68.8 and 52.0 / 72.1 against 40.7 / 56.4.
     decode_fp8_block_n: int = 128
     decode_fp8_stages: int = 2
     # Up to this many rows the fused rope + attention loads its first KV tile before its PDL
