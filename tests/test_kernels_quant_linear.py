@@ -6,7 +6,6 @@ import torch
 
 from graphexec.kernels.linear_quant import linear_quant_ref
 from graphexec.kernels.quant import quantize_fp8, quantize_int4
-from graphexec.kernels.tuning import DEFAULT as DEFAULT_TUNING
 from kernel_helpers import DEV, INTERPRET, _check, _randn, big, kernel_test
 
 SHAPES = big([(1, 4096, 4096), (1, 4096, 14336), (7, 6144, 4096), (16, 28672, 4096),
