@@ -46,8 +46,10 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
 
     if int4:  # whole 64-column blocks, a group (128) deep
         splits = [1, 2, 4, 8, 16]
+        if m > 64:  # prefill chunks: against the dense copy + cuBLAS that runs there
+            return list(grid([64, 128], [128, 256], [128], [1, 2], [3, 4], [4, 8]))
         if m > 16:
-            return list(grid([32, 64], [64, 128], [128], splits, [3, 4], [4]))
+            return list(grid([32, 64], [64, 128, 256], [128], splits, [2, 3, 4], [4, 8]))
         return list(grid([16], [32, 64, 128], [128], splits, [2, 3, 4], [4]))
     if m == 1:
         return [*grid([1], [4, 8, 16, 32], [512, 1024, 2048], [1, 2, 4], [3], [4, 8]),
