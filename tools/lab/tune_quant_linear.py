@@ -59,8 +59,9 @@ def candidates(m: int, int4: bool) -> list[LinearConfig]:
     return list(grid([64], [32, 64, 128], [128, 256], [1, 2], [3, 4], [4, 8]))
 
 
-def _compile_share(share: list[tuple[str, int, int, int, LinearConfig]]) -> None:
-    """Launch each (format, m, n, k, tile) once, so that its kernel lands in Triton's cache."""
+def _compile_share(table, share: list[tuple[str, int, int, int, LinearConfig]]) -> None:
+    """Launch each (format, m, n, k, tile) once under `table` (QuantLinearTuning), so that its
+    kernel lands in Triton's cache."""
     inputs: dict = {}  # one quantized weight and input per (format, m, n, k), not per tile
     for fmt, m, n, k, cfg in share:
         if (fmt, m, n, k) not in inputs:
@@ -69,18 +70,19 @@ def _compile_share(share: list[tuple[str, int, int, int, LinearConfig]]) -> None
                                     FORMATS[fmt](w))
         x, q = inputs[fmt, m, n, k]
         try:
-            lq.linear_quant(x, q, config=cfg)
+            lq.linear_quant(x, q, config=cfg, t=table)
         except Exception:
             pass  # time_configs skips it again and says why
     torch.cuda.synchronize()
 
 
-def precompile(jobs: list[tuple[str, int, int, int, LinearConfig]], workers: int) -> None:
+def precompile(table, jobs: list[tuple[str, int, int, int, LinearConfig]],
+               workers: int) -> None:
     """Compile the sweep's kernels on `workers` processes at once (one compile takes seconds,
     a launch microseconds); the timing then runs on a warm cache."""
     import multiprocessing as mp
     with mp.get_context("spawn").Pool(workers) as pool:
-        pool.map(_compile_share, [jobs[i::workers] for i in range(workers)])
+        pool.starmap(_compile_share, [(table, jobs[i::workers]) for i in range(workers)])
 
 
 def main() -> None:
@@ -97,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    table = tuning_for(torch.device("cuda")).quant_linear  # "shipped": this GPU's table
+    table = tuning_for(torch.device("cuda")).quant_linear  # this GPU's, for every launch
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
     results = []
     os.makedirs(args.out, exist_ok=True)
@@ -106,7 +108,7 @@ def main() -> None:
                 for model, fmt, m in itertools.product(args.models, args.formats, args.batches)
                 for cfg in candidates(m, fmt != "fp8")]
         try:
-            precompile(jobs, args.compile_workers)
+            precompile(table, jobs, args.compile_workers)
         except Exception as e:  # the timing compiles what is missing, one at a time
             print(f"precompile failed: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -138,8 +140,9 @@ def main() -> None:
                 if fmt == "fp8":  # W8A8 on the fp8 tensor cores (fp8_scaled_mm_min_rows)
                     row["scaled_mm_us"] = time_graph(lambda i: linear_fp8_rows(x, qs[i]),
                                                      copies) * 1e6
-                timed = time_configs(lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg),
-                                     candidates(m, fmt != "fp8"), copies)
+                timed = time_configs(
+                    lambda cfg, i: lq.linear_quant(x, qs[i], config=cfg, t=table),
+                    candidates(m, fmt != "fp8"), copies)
                 row["best"] = [dict(us=us, **cfg.__dict__) for us, cfg in timed[:args.top]]
                 results.append(row)
                 save()
