@@ -334,13 +334,9 @@ class Tuning:
 DEFAULT = Tuning()
 
 # An H200 streams a weight about 1.3x as fast as an H100 from the same 132 SMs, so a projection
-# kernel needs more bytes in flight a program and, for the small weights, more programs. The
-# quantized tiles, from tools/lab/tune_quant_linear.py on one H200 (2026-12-02, llama-8b, us
-# for qkv, o, gate_up, down; the H100 tiles first): fp8 one row 9.9 6.1 35.4 15.8, with gate_up
-# in 8 x 512 tiles 33.1; fp8 16 rows 13.5 10.2 43.3 25.6 against 12.8 10.1 43.1 24.5 in
-# 256-deep tiles over three stages; int4 one row 9.0 7.9 31.1 15.6 against 8.8 7.3 27.2 15.4
-# in 128-column tiles over four stages, K split into eight for all but gate_up (16 rows: 11.4
-# 9.0 31.5 17.7 against 11.0 8.8 29.3 18.2).
+# kernel needs more bytes in flight a program and, for the small weights, more programs: its
+# quantized tiles come from tools/lab/tune_quant_linear.py on one H200 (2026-12-02; the
+# per-projection times and llama-8b's steps with either table: docs/benchmarks.md).
 H200 = replace(DEFAULT, quant_linear=replace(
     DEFAULT.quant_linear,
     one_row_wide=LinearConfig(1, 8, 512),
