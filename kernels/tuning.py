@@ -344,7 +344,8 @@ H200 = replace(DEFAULT, quant_linear=replace(
     int4_one_row=LinearConfig(16, 128, 128, num_stages=4),
     int4_few_rows=LinearConfig(16, 128, 128, num_stages=4),
     int4_min_split_steps=4,
-    int4_split_columns=49152))
+    int4_split_columns=49152,
+    int4_many_rows=LinearConfig(32, 256, 128)))
 
 # Tables by a substring of torch.cuda.get_device_name.
 BY_GPU: dict[str, Tuning] = {"H200": H200}

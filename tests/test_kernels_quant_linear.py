@@ -65,6 +65,27 @@ def test_linear_quant(m, n, k, config, fmt, dtype):
     _check(out, _ref(x, qw) if cfg else _want(x, qw), dtype, "reduction")
 
 
+@kernel_test
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", ["DEFAULT", "H200"])
+@pytest.mark.parametrize("m", [2, 16, 33, 64])
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_each_gpu_table_matches_the_reference(table, m, fmt):
+    """Every GPU's table runs on whatever GPU this is: its tiles, K splits and (fp8) the rows
+    it sends to W8A8, against the reference."""
+    from graphexec.kernels import linear_quant_triton as lq
+    from graphexec.kernels import tuning
+    from graphexec.kernels.linear_fp8_rows import linear_fp8_rows_ref
+
+    t = getattr(tuning, table).quant_linear
+    n, k = big((6144, 4096), (96, 256))
+    x = _randn((m, k), torch.bfloat16, 3)
+    qw = _quantize(_randn((n, k), torch.float32, 4, k ** -0.5), fmt)
+    out = lq.linear_quant(x, qw, t=t)
+    want = linear_fp8_rows_ref(x, qw, None) if lq.takes_w8a8(x, qw, t) else _ref(x, qw)
+    _check(out, want, torch.bfloat16, "reduction")
+
+
 # The int4 split the tile sweep (tools/lab/tune_quant_linear.py) measured fastest for
 # llama-8b's qkv, o, gate_up and down on each GPU's table.
 _INT4_SPLITS = {"DEFAULT": (4, 4, 1, 8), "H200": (8, 8, 1, 8)}
