@@ -82,8 +82,15 @@ def test_each_gpu_table_matches_the_reference(table, m, fmt):
     x = _randn((m, k), torch.bfloat16, 3)
     qw = _quantize(_randn((n, k), torch.float32, 4, k ** -0.5), fmt)
     out = lq.linear_quant(x, qw, t=t)
-    want = linear_fp8_rows_ref(x, qw, None) if lq.takes_w8a8(x, qw, t) else _ref(x, qw)
-    _check(out, want, torch.bfloat16, "reduction")
+    if not lq.takes_w8a8(x, qw, t):
+        _check(out, _ref(x, qw), torch.bfloat16, "reduction")
+        return
+    # W8A8: bounded as in test_w8a8_from_min_rows_matches_its_reference (the fp8 tensor
+    # cores keep a shorter running sum than fp32)
+    want = linear_fp8_rows_ref(x, qw, None).float()
+    err = (out.float() - want).abs()
+    assert err.max().item() <= 0.03 * want.abs().max().item()
+    assert err.mean().item() <= 0.01 * want.abs().mean().item()
 
 
 # The int4 split the tile sweep (tools/lab/tune_quant_linear.py) measured fastest for
