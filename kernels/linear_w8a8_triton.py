@@ -72,8 +72,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr
 
 # Every tile holds at least 64 rows, padded: Hopper's fp8 wgmma takes 64-row left operands, and
 # for a smaller tile Triton runs the dot as fp16 mma.sync with both operands converted (sm_90
-# PTX). llama-8b's fp8 step on one H200 (2026-12-02): 3.547 / 3.642 ms at 24 / 32 rows
-# against 3.832 / 3.929 with 32-row tiles.
+# PTX); the steps with either tile: docs/benchmarks.md (*Quantized decode*).
 WGMMA_ROWS = 64
 
 
