@@ -334,8 +334,9 @@ DEFAULT = Tuning()
 
 # An H200 streams a weight about 1.3x as fast as an H100 from the same 132 SMs, so a projection
 # kernel needs more bytes in flight a program and, for the small weights, more programs: its
-# quantized tiles come from tools/lab/tune_quant_linear.py on one H200 (2026-12-02; the
-# per-projection times and llama-8b's steps with either table: docs/benchmarks.md).
+# quantized tiles come from tools/lab/tune_quant_linear.py on one H200 (2026-12-02), and fp8
+# runs W8A8 from 2 rows there, where it beat W8A16 in llama-8b's step (the per-projection times
+# and the steps either way: docs/benchmarks.md).
 H200 = replace(DEFAULT, quant_linear=replace(
     DEFAULT.quant_linear,
     fp8_scaled_mm_min_rows=2,
