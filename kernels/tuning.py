@@ -127,8 +127,7 @@ class QuantLinearTuning:
     # four projections took 113 us against W8A16's 177 at 32 rows and 112 against 183 at 64;
     # even at 16 (118 against 121), and above 64 rows 2-3x faster than the dense copy.
     # W8A8 adds three quantizing launches a layer (o's input, and the norms that W8A16's
-    # epilogues begin and its next projection finishes); the H200 table runs it from 2 rows,
-    # where its 64-row fp8 wgmma tile (linear_w8a8_triton.WGMMA_ROWS) more than pays for them.
+    # epilogues begin and its next projection finishes); the H200 table below sets 2.
     fp8_scaled_mm_min_rows: int = 17
     # W8A8's GEMM up to this many rows (kernels/linear_w8a8_triton.py), torch._scaled_mm
     # above: cuBLASLt's 128-column tiles leave most SMs idle on a decode batch. Its tile:

@@ -23,6 +23,15 @@ def _quantize(w, fmt):
     return quantize_int4(w, 32 if fmt == "int4_g32" else 128, symmetric=fmt != "int4_asym")
 
 
+def _check_w8a8(out, want):
+    """W8A8 against fp32 sums: the fp8 tensor cores keep fewer bits of the running sum than
+    fp32 (about 14), so the error grows with K: bounded against the output's scale, not
+    element by element."""
+    err = (out.float() - want).abs()
+    assert err.max().item() <= 0.03 * want.abs().max().item()
+    assert err.mean().item() <= 0.01 * want.abs().mean().item()
+
+
 def _block_k(block_k, qw, k):
     """block_k cut to the group; int4 tiles are whole 64-column blocks (one for groups < 64)."""
     block_k = min(block_k, qw.group_size or k)
@@ -85,12 +94,7 @@ def test_each_gpu_table_matches_the_reference(table, m, fmt):
     if not lq.takes_w8a8(x, qw, t):
         _check(out, _ref(x, qw), torch.bfloat16, "reduction")
         return
-    # W8A8: bounded as in test_w8a8_from_min_rows_matches_its_reference (the fp8 tensor
-    # cores keep a shorter running sum than fp32)
-    want = linear_fp8_rows_ref(x, qw, None).float()
-    err = (out.float() - want).abs()
-    assert err.max().item() <= 0.03 * want.abs().max().item()
-    assert err.mean().item() <= 0.01 * want.abs().mean().item()
+    _check_w8a8(out, linear_fp8_rows_ref(x, qw, None).float())
 
 
 # The int4 split the tile sweep (tools/lab/tune_quant_linear.py) measured fastest for
@@ -311,11 +315,7 @@ def test_w8a8_from_min_rows_matches_its_reference(op):
     else:
         out, (q, s, _) = lq.silu_mul_linear_quant(x, qw), quantize_rows_ref(x, gated=True)
     want = (q.float() * s) @ (qw.data.float() * qw.scale[:, None]).T
-    # The fp8 tensor cores keep fewer bits of the running sum than fp32 (about 14), so the
-    # error grows with K: bounded against the output's scale, not element by element.
-    err = (out.float() - want).abs()
-    assert err.max().item() <= 0.03 * want.abs().max().item()
-    assert err.mean().item() <= 0.01 * want.abs().mean().item()
+    _check_w8a8(out, want)
     if op == "linear":  # W8A8 differs from W8A16 (the activations are rounded too)
         assert not torch.equal(out, lq.linear_quant(x, qw, config=lq.LinearConfig(64, 32, 128)))
 
