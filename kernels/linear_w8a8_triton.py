@@ -93,7 +93,9 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
     if m > t.w8a8_triton_max_rows or not _runs_here(q):
         return scaled_mm(q, scale, weight, bias, out_dtype)
     bk = t.w8a8_block_k
-    wide = m <= t.w8a8_few_rows_max or n >= t.wide_n
+    few = m <= t.w8a8_few_rows_max
+    wide = few or n >= t.wide_n
+    warps = t.w8a8_few_rows_warps if few else t.w8a8_warps
     bn = t.w8a8_block_n_wide if wide else t.w8a8_block_n
     split = split or _split_k(triton.cdiv(n, bn), t.w8a8_programs, k, bk)
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -109,6 +111,6 @@ def matmul_rows(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight,
         q, scale, weight.data, weight.scale, b, out, part, counters, pf[0], m, n, k,
         k_per_split, pf[1], **pf_meta, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_M=max(WGMMA_ROWS, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        STAGES=t.w8a8_stages, UPCAST=_INTERPRET, PDL=dependent, num_warps=t.w8a8_warps,
+        STAGES=t.w8a8_stages, UPCAST=_INTERPRET, PDL=dependent, num_warps=warps,
         num_stages=t.w8a8_stages, launch_pdl=dependent)
     return out

@@ -142,6 +142,7 @@ class QuantLinearTuning:
     w8a8_block_k: int = 256
     w8a8_stages: int = 4
     w8a8_warps: int = 4
+    w8a8_few_rows_warps: int = 4  # up to w8a8_few_rows_max rows
     w8a8_programs: int = 96
     # K is split (each output tile's last program to finish sums the fp32 partials in a fixed
     # order) until there are split_programs programs.
@@ -335,10 +336,11 @@ DEFAULT = Tuning()
 # kernel needs more bytes in flight a program and, for the small weights, more programs: its
 # quantized tiles come from tools/lab/tune_quant_linear.py on one H200 (2026-12-02), and fp8
 # runs W8A8 from 2 rows there, where it beat W8A16 in llama-8b's step (the per-projection times
-# and the steps either way: docs/benchmarks.md).
+# and the steps either way: docs/benchmarks.md), with 8 warps a tile up to 32 rows (4 lost at 64).
 H200 = replace(DEFAULT, quant_linear=replace(
     DEFAULT.quant_linear,
     fp8_scaled_mm_min_rows=2,
+    w8a8_few_rows_warps=8,
     one_row_wide=LinearConfig(1, 8, 512),
     few_rows=LinearConfig(16, 32, 256, num_stages=3),
     int4_one_row=LinearConfig(16, 128, 128, num_stages=4),

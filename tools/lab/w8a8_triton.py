@@ -26,7 +26,8 @@ def linear_w8a8(q, scale, weight, out_dtype, block_n=64, block_k=256, split=1, s
                 warps=4):
     """The shipped kernel with one tile forced."""
     t = replace(DEFAULT.quant_linear, w8a8_block_n=block_n, w8a8_block_n_wide=block_n,
-                w8a8_block_k=block_k, w8a8_stages=stages, w8a8_warps=warps)
+                w8a8_block_k=block_k, w8a8_stages=stages, w8a8_warps=warps,
+                w8a8_few_rows_warps=warps)
     return matmul_rows(q, scale, weight, None, out_dtype, t, split=split)
 
 
