@@ -336,7 +336,7 @@ DEFAULT = Tuning()
 # kernel needs more bytes in flight a program and, for the small weights, more programs: its
 # quantized tiles come from tools/lab/tune_quant_linear.py on one H200 (2026-12-02), and fp8
 # runs W8A8 from 2 rows there, where it beat W8A16 in llama-8b's step (the per-projection times
-# and the steps either way: docs/benchmarks.md), with 8 warps a tile up to 32 rows (4 lost at 64).
+# and the steps either way: docs/benchmarks.md), in tiles of 8 warps up to 32 rows (8 lost at 64).
 H200 = replace(DEFAULT, quant_linear=replace(
     DEFAULT.quant_linear,
     fp8_scaled_mm_min_rows=2,
